@@ -1,0 +1,374 @@
+"""Tensors ⇄ bytes for the wire.
+
+Server and clients run on different machines, numpy/torch versions and possibly byte
+orders, so a tensor travels as an explicit ``(dtype name, shape, little-endian C-order
+bytes)`` triple rather than a pickle, and everything that arrives is validated before it
+can reach an aggregate: a single NaN or a mis-shaped tensor from one client would
+otherwise poison the global model for everyone. Tensors are cut into chunks of at most
+1 MiB so no gRPC message nears the 4 MiB default limit.
+
+Every rejection is a :class:`CodecError` that names the tensor, so the server can turn it
+into an ``INVALID_ARGUMENT`` (or, for ``kind == "too_large"``, ``RESOURCE_EXHAUSTED``)
+message a person can act on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "CHUNK_BYTES",
+    "DTYPES",
+    "Chunk",
+    "CodecError",
+    "EncodedTensor",
+    "Reassembler",
+    "decode",
+    "encode",
+    "encoded_size",
+    "iter_chunks",
+]
+
+CHUNK_BYTES = 1 << 20
+
+# Wire name → little-endian numpy dtype. The names are torch's (``str(t.dtype)`` minus ``torch.``).
+DTYPES: dict[str, np.dtype[Any]] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "float64": np.dtype("<f8"),
+    "int64": np.dtype("<i8"),
+    "int32": np.dtype("<i4"),
+    "uint8": np.dtype("u1"),
+    "bool": np.dtype("?"),
+}
+_FLOATS = frozenset({"float16", "float32", "float64"})
+_FP16_MAX = float(np.finfo(np.float16).max)
+
+
+class CodecError(ValueError):
+    """A tensor that must not be accepted; ``kind`` is a stable machine-readable category.
+
+    Kinds: ``unsupported_dtype``, ``unknown_dtype``, ``bad_shape``, ``truncated``, ``oversized``,
+    ``too_large``, ``shape_mismatch``, ``dtype_mismatch``, ``nonfinite``, ``invalid_bool``,
+    ``fp16_overflow``, ``unknown_tensor``, ``duplicate``, ``offset``, ``header_changed``,
+    ``empty_chunk``.
+    """
+
+    def __init__(self, tensor: str, reason: str, kind: str = "invalid") -> None:
+        self.tensor = tensor
+        self.reason = reason
+        self.kind = kind
+        super().__init__(f"tensor {tensor!r}: {reason}")
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """One tensor as it travels: wire dtype name, shape and raw little-endian C-order bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A piece of one tensor; every chunk repeats the header so a receiver can check it never changes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    version: int
+    offset: int
+    data: bytes
+    total_bytes: int
+
+
+def _wire_name(dtype: np.dtype[Any], tensor: str) -> str:
+    kind, size = dtype.kind, dtype.itemsize
+    for name, wire in DTYPES.items():
+        if wire.kind == kind and wire.itemsize == size:
+            return name
+    raise CodecError(tensor, f"unsupported dtype {dtype.name!r} (supported: {', '.join(DTYPES)})", "unsupported_dtype")
+
+
+def _as_numpy(array: npt.ArrayLike | torch.Tensor, tensor: str) -> np.ndarray:
+    if hasattr(array, "detach") and hasattr(array, "numpy"):  # a torch.Tensor, without importing torch here
+        t: Any = array
+        try:
+            return np.asarray(t.detach().cpu().numpy())
+        except TypeError as exc:  # e.g. bfloat16 has no numpy equivalent
+            raise CodecError(tensor, f"unsupported dtype {t.dtype} ({exc})", "unsupported_dtype") from exc
+    return np.asarray(array)
+
+
+def encode(array: npt.ArrayLike | torch.Tensor, *, fp16: bool = False, name: str = "<unnamed>") -> EncodedTensor:
+    """Serialize a numpy array or torch tensor; ``fp16`` halves float32/float64 payloads for transport.
+
+    Finiteness is not checked here (the receiver does that), except that ``fp16`` refuses to turn
+    finite values beyond float16's range (±65504) into Inf, which the receiver would then reject
+    with a misleading message. ``name`` only labels errors.
+    """
+    arr = _as_numpy(array, name)
+    wire = _wire_name(arr.dtype, name)
+    if fp16 and wire in ("float32", "float64"):
+        with np.errstate(over="ignore"):
+            half = arr.astype(DTYPES["float16"])
+        if arr.size and float(np.nanmax(np.abs(arr), initial=0.0)) > _FP16_MAX:
+            overflow = np.isfinite(arr) & ~np.isfinite(half)
+            if overflow.any():
+                raise CodecError(
+                    name,
+                    f"{int(overflow.sum())} finite values exceed the float16 range (±{_FP16_MAX:g}); "
+                    "send it without fp16",
+                    "fp16_overflow",
+                )
+        arr, wire = half, "float16"
+    le = np.ascontiguousarray(arr, dtype=DTYPES[wire])
+    return EncodedTensor(wire, tuple(int(s) for s in arr.shape), le.tobytes(order="C"))
+
+
+def encoded_size(shape: tuple[int, ...] | list[int], dtype: str, fp16: bool = False) -> int:
+    """Bytes :func:`encode` produces for this shape and dtype, without building the tensor (bandwidth accounting)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (supported: {', '.join(DTYPES)})")
+    if fp16 and dtype in ("float32", "float64"):
+        dtype = "float16"
+    return math.prod(int(s) for s in shape) * DTYPES[dtype].itemsize
+
+
+def _fmt_shape(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def _check_header(name: str, dtype: str, shape: tuple[int, ...] | list[int]) -> tuple[tuple[int, ...], int]:
+    """Validate dtype and shape; return the shape as a tuple and the byte size it implies."""
+    if dtype not in DTYPES:
+        raise CodecError(name, f"unknown dtype {dtype!r} (supported: {', '.join(DTYPES)})", "unknown_dtype")
+    try:
+        dims = tuple(int(s) for s in shape)
+    except (TypeError, ValueError) as exc:
+        raise CodecError(name, f"invalid shape {shape!r}", "bad_shape") from exc
+    if any(d < 0 for d in dims):
+        raise CodecError(name, f"invalid shape {_fmt_shape(dims)}: negative dimension", "bad_shape")
+    return dims, math.prod(dims) * DTYPES[dtype].itemsize
+
+
+def decode(
+    name: str,
+    dtype: str,
+    shape: tuple[int, ...] | list[int],
+    data: bytes | bytearray | memoryview,
+    *,
+    expected_shape: tuple[int, ...] | None = None,
+    expected_dtype: str | None = None,
+    allow_nonfinite: bool = False,
+    max_bytes: int | None = None,
+) -> np.ndarray:
+    """Validate and deserialize one tensor; returns a writable native-byte-order copy.
+
+    A float16 payload is accepted where float32 or float64 is expected (fp16 transport) and is
+    upcast to the expected dtype.
+    """
+    dims, size = _check_header(name, dtype, shape)
+    if max_bytes is not None and max(size, len(data)) > max_bytes:
+        raise CodecError(name, f"too large: {max(size, len(data))} bytes exceeds the limit of {max_bytes}", "too_large")
+    if len(data) != size:
+        kind = "truncated" if len(data) < size else "oversized"
+        raise CodecError(name, f"{kind}: got {len(data)} bytes, shape {_fmt_shape(dims)} {dtype} needs {size}", kind)
+    if expected_shape is not None and dims != tuple(expected_shape):
+        raise CodecError(
+            name,
+            f"shape {_fmt_shape(dims)} does not match expected {_fmt_shape(tuple(expected_shape))}",
+            "shape_mismatch",
+        )
+    target = dtype
+    if expected_dtype is not None and dtype != expected_dtype:
+        if dtype == "float16" and expected_dtype in ("float32", "float64"):
+            target = expected_dtype
+        else:
+            raise CodecError(name, f"dtype {dtype!r} does not match expected {expected_dtype!r}", "dtype_mismatch")
+    wire = np.frombuffer(data, dtype=DTYPES[dtype]).reshape(dims)
+    if dtype in _FLOATS and not allow_nonfinite and not np.isfinite(wire).all():
+        raise CodecError(name, "contains NaN or Inf values", "nonfinite")
+    if dtype == "bool" and wire.size and np.frombuffer(data, dtype=np.uint8).max() > 1:
+        raise CodecError(name, "bool payload holds bytes other than 0 and 1", "invalid_bool")
+    return wire.astype(DTYPES[target].newbyteorder("="), copy=True)
+
+
+def iter_chunks(name: str, encoded: EncodedTensor, version: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
+    """Cut one encoded tensor into chunks of at most ``chunk_bytes``; a zero-size tensor is one empty chunk."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be ≥ 1, got {chunk_bytes}")
+    data, total = encoded.data, len(encoded.data)
+    offset = 0
+    while True:
+        piece = data[offset : offset + chunk_bytes]
+        yield Chunk(name, encoded.dtype, encoded.shape, version, offset, piece, total)
+        offset += len(piece)
+        if offset >= total:
+            return
+
+
+@dataclass
+class _Partial:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    version: int
+    total_bytes: int
+    buf: bytearray
+    chunks: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.buf) == self.total_bytes
+
+
+class Reassembler:
+    """Rebuilds a stream of chunks (tensors one after another, each in offset order) into arrays.
+
+    Streams are strictly sequential, so anything else (gaps, overlaps, reordering, interleaving,
+    a header that changes, a name sent twice) means a broken or hostile sender and is rejected at
+    the first offending chunk, before more bytes are buffered. ``max_total_bytes`` bounds the
+    memory one message may take; it is checked against each tensor's declared size when the
+    tensor starts, so an oversized message is refused before its bytes arrive.
+    """
+
+    def __init__(self, max_total_bytes: int | None = None) -> None:
+        self.max_total_bytes = max_total_bytes
+        self._done: dict[str, _Partial] = {}
+        self._current: _Partial | None = None
+        self._received = 0
+        self._declared = 0
+
+    @property
+    def bytes_received(self) -> int:
+        """Payload bytes accepted so far (chunk data only, not headers)."""
+        return self._received
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Tensor names seen so far, in arrival order (the last one may be incomplete)."""
+        return tuple(self._done) + ((self._current.name,) if self._current is not None else ())
+
+    def add(self, chunk: Chunk) -> None:
+        cur = self._current
+        if cur is None or chunk.name != cur.name:
+            cur = self._start(chunk)
+        else:
+            header = (chunk.dtype, tuple(chunk.shape), chunk.total_bytes, chunk.version)
+            if header != (cur.dtype, cur.shape, cur.total_bytes, cur.version):
+                raise CodecError(
+                    chunk.name,
+                    f"header changed mid-stream: dtype/shape/total_bytes/version {header} after "
+                    f"{(cur.dtype, cur.shape, cur.total_bytes, cur.version)}",
+                    "header_changed",
+                )
+            if cur.complete and not chunk.data and chunk.offset == cur.total_bytes:
+                raise CodecError(chunk.name, "duplicate chunk after the tensor was complete", "duplicate")
+            if chunk.offset != len(cur.buf):
+                raise CodecError(
+                    chunk.name, f"chunk at offset {chunk.offset}, expected offset {len(cur.buf)}", "offset"
+                )
+        if not chunk.data and cur.total_bytes > 0:
+            raise CodecError(chunk.name, f"empty chunk at offset {chunk.offset}", "empty_chunk")
+        if len(cur.buf) + len(chunk.data) > cur.total_bytes:
+            raise CodecError(
+                chunk.name,
+                f"oversized: chunk at offset {chunk.offset} with {len(chunk.data)} bytes runs past "
+                f"total_bytes {cur.total_bytes}",
+                "oversized",
+            )
+        cur.buf += chunk.data
+        cur.chunks += 1
+        self._received += len(chunk.data)
+
+    def _start(self, chunk: Chunk) -> _Partial:
+        prev = self._current
+        if prev is not None:
+            if not prev.complete:
+                raise CodecError(
+                    prev.name,
+                    f"truncated: stream moved on to {chunk.name!r} after {len(prev.buf)} of {prev.total_bytes} bytes",
+                    "truncated",
+                )
+            self._done[prev.name] = prev
+            self._current = None
+        if chunk.name in self._done:
+            raise CodecError(chunk.name, "duplicate: tensor sent twice in one message", "duplicate")
+        dims, size = _check_header(chunk.name, chunk.dtype, chunk.shape)
+        if chunk.total_bytes != size:
+            kind = "truncated" if chunk.total_bytes < size else "oversized"
+            raise CodecError(
+                chunk.name,
+                f"{kind}: total_bytes {chunk.total_bytes} but shape {_fmt_shape(dims)} {chunk.dtype} needs {size}",
+                kind,
+            )
+        if self.max_total_bytes is not None and self._declared + size > self.max_total_bytes:
+            raise CodecError(
+                chunk.name,
+                f"too large: message would reach {self._declared + size} bytes, limit is {self.max_total_bytes}",
+                "too_large",
+            )
+        if chunk.offset != 0:
+            raise CodecError(chunk.name, f"first chunk at offset {chunk.offset}, expected offset 0", "offset")
+        self._declared += size
+        self._current = _Partial(chunk.name, chunk.dtype, dims, chunk.version, size, bytearray())
+        return self._current
+
+    def versions(self) -> dict[str, int]:
+        """The version each tensor carried (fetches tag tensors with their global version)."""
+        out = {n: p.version for n, p in self._done.items()}
+        if self._current is not None:
+            out[self._current.name] = self._current.version
+        return out
+
+    def finish(
+        self,
+        expected: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
+        allow_nonfinite: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """Decode everything received, checking names, shapes and dtypes against ``expected`` when given.
+
+        Only names that arrived are returned: a name in ``expected`` that never arrived is not an
+        error here, because which tensors are due is the caller's decision.
+        """
+        cur = self._current
+        if cur is not None:
+            if not cur.complete:
+                raise CodecError(
+                    cur.name, f"truncated: stream ended after {len(cur.buf)} of {cur.total_bytes} bytes", "truncated"
+                )
+            self._done[cur.name] = cur
+            self._current = None
+        out: dict[str, np.ndarray] = {}
+        for name, part in self._done.items():
+            exp_shape: tuple[int, ...] | None = None
+            exp_dtype: str | None = None
+            if expected is not None:
+                if name not in expected:
+                    raise CodecError(name, "unknown tensor", "unknown_tensor")
+                exp_shape, exp_dtype = expected[name]
+            out[name] = decode(
+                name,
+                part.dtype,
+                part.shape,
+                part.buf,
+                expected_shape=exp_shape,
+                expected_dtype=exp_dtype,
+                allow_nonfinite=allow_nonfinite,
+            )
+        return out

@@ -1,0 +1,68 @@
+"""Capability profile → tier γ: the largest model a device can actually train.
+
+FedHM leaves the mapping open (specs/fedhm.md §7); fedatoms uses the parameter and MAC
+counts of each tier's ModelSpec against the device's declared memory and compute budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from fedcore.spec import ModelSpec
+
+__all__ = ["BYTES_PER_TRAINED_PARAMETER", "TIERS", "CapabilityProfile", "NoTierFitsError", "assign_tier", "tier_costs"]
+
+TIERS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125)
+# fp32 weights + gradients + momentum buffer + the copy kept for the update/FedProx anchor.
+BYTES_PER_TRAINED_PARAMETER = 16
+
+
+@dataclass(frozen=True)
+class CapabilityProfile:
+    """What a client says (or measured) about itself; ``None`` means "no limit declared"."""
+
+    device_name: str = "unknown"
+    compute_macs: float | None = None  # forward MACs per sample the device accepts
+    memory_bytes: int | None = None  # memory available for training state
+    uplink_bps: float | None = None
+    downlink_bps: float | None = None
+    num_samples: int = 0
+    preferred_tier: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class NoTierFitsError(ValueError):
+    """Even the smallest tier exceeds the declared budget; the client cannot take part."""
+
+
+def tier_costs(spec: ModelSpec, tiers: tuple[float, ...] = TIERS) -> dict[float, tuple[int, int]]:
+    """``{γ: (training memory bytes, forward MACs per sample)}`` for each tier of ``spec``."""
+    return {g: (spec.at_tier(g).num_parameters * BYTES_PER_TRAINED_PARAMETER, spec.at_tier(g).macs) for g in tiers}
+
+
+def assign_tier(profile: CapabilityProfile, spec: ModelSpec, tiers: tuple[float, ...] = TIERS) -> float:
+    """Largest γ in ``tiers`` (capped by the client's preference) whose memory and MACs fit."""
+    if profile.preferred_tier is not None and profile.preferred_tier not in tiers:
+        raise ValueError(
+            f"preferred tier {profile.preferred_tier:g} is not one of {', '.join(f'{t:g}' for t in tiers)}"
+        )
+    costs = tier_costs(spec, tiers)
+    for gamma in sorted(tiers, reverse=True):
+        if profile.preferred_tier is not None and gamma > profile.preferred_tier:
+            continue
+        memory, macs = costs[gamma]
+        if profile.memory_bytes is not None and memory > profile.memory_bytes:
+            continue
+        if profile.compute_macs is not None and macs > profile.compute_macs:
+            continue
+        return gamma
+    smallest = min(tiers)
+    memory, macs = costs[smallest]
+    raise NoTierFitsError(
+        f"{profile.device_name}: the smallest tier γ={smallest:g} of {spec.describe()} needs "
+        f"{memory / 2**20:.1f} MiB and {macs / 1e6:.1f}M MACs per sample; the device declares "
+        f"{'unlimited' if profile.memory_bytes is None else f'{profile.memory_bytes / 2**20:.1f} MiB'} and "
+        f"{'unlimited' if profile.compute_macs is None else f'{profile.compute_macs / 1e6:.1f}M MACs'}"
+    )

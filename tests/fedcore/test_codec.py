@@ -1,0 +1,479 @@
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fedcore.codec import (
+    CHUNK_BYTES,
+    DTYPES,
+    Chunk,
+    CodecError,
+    EncodedTensor,
+    Reassembler,
+    decode,
+    encode,
+    encoded_size,
+    iter_chunks,
+)
+
+MiB = 1 << 20
+
+
+def _sample(dtype: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if dtype == "bool":
+        return rng.random(shape) < 0.5
+    if dtype.startswith("float"):
+        return rng.standard_normal(shape).astype(dtype)
+    info = np.iinfo(dtype)
+    return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+
+
+def _roundtrip(array: np.ndarray | torch.Tensor, **kw: object) -> tuple[EncodedTensor, np.ndarray]:
+    enc = encode(array, **kw)  # type: ignore[arg-type]
+    return enc, decode("t", enc.dtype, enc.shape, enc.data)
+
+
+def _stream(tensors: dict[str, np.ndarray], chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+    return [c for name, arr in tensors.items() for c in iter_chunks(name, encode(arr), 3, chunk_bytes)]
+
+
+def _reassemble(chunks: list[Chunk], **kw: object) -> Reassembler:
+    r = Reassembler(**kw)  # type: ignore[arg-type]
+    for c in chunks:
+        r.add(c)
+    return r
+
+
+@contextmanager
+def _raises(tensor: str, kind: str) -> Iterator[pytest.ExceptionInfo[CodecError]]:
+    """Expect a CodecError of ``kind`` whose message starts by naming ``tensor``."""
+    with pytest.raises(CodecError, match=rf"^tensor '{re.escape(tensor)}': ") as exc:
+        yield exc
+    assert exc.value.tensor == tensor
+    assert exc.value.kind == kind
+
+
+# ----------------------------------------------------------------------------- encode / decode
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2), (5,), (2, 3, 4)])
+def test_round_trip_every_dtype(dtype: str, shape: tuple[int, ...]) -> None:
+    a = _sample(dtype, shape)
+    enc, out = _roundtrip(a)
+    assert enc.dtype == dtype and enc.shape == shape
+    assert enc.nbytes == len(enc.data) == encoded_size(shape, dtype) == a.size * DTYPES[dtype].itemsize
+    assert out.dtype == np.dtype(dtype) and out.shape == shape
+    np.testing.assert_array_equal(out, a)
+    assert out.flags.writeable and out.flags.c_contiguous
+    out[...] = 0  # a copy, not a view of the wire bytes
+
+
+def test_wire_bytes_are_little_endian_c_order() -> None:
+    a = np.arange(6, dtype=np.int32).reshape(2, 3)
+    assert encode(a).data == b"".join(int(v).to_bytes(4, "little") for v in a.ravel(order="C"))
+    assert encode(a.T).data == b"".join(int(v).to_bytes(4, "little") for v in a.T.ravel(order="C"))
+
+
+def test_non_contiguous_and_transposed_input() -> None:
+    a = _sample("float64", (6, 8))
+    for view in (a.T, a[::2, 1::3], np.asfortranarray(a)):
+        enc, out = _roundtrip(view)
+        assert enc.shape == view.shape
+        np.testing.assert_array_equal(out, view)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int64", "int32"])
+def test_big_endian_input_is_converted(dtype: str) -> None:
+    a = _sample(dtype, (4, 5))
+    big = a.astype(np.dtype(dtype).newbyteorder(">"))
+    assert encode(big).data == encode(a).data
+    _, out = _roundtrip(big)
+    assert out.dtype.isnative
+    np.testing.assert_array_equal(out, a)
+
+
+def test_torch_tensor_input() -> None:
+    t = torch.randn(3, 4, requires_grad=True)
+    enc, out = _roundtrip(t)
+    assert enc.dtype == "float32"
+    np.testing.assert_array_equal(out, t.detach().numpy())
+    assert encode(torch.tensor([True, False])).dtype == "bool"
+    assert encode(torch.arange(3)).dtype == "int64"
+
+
+def test_unsupported_input_dtype_names_the_tensor() -> None:
+    with _raises("c", "unsupported_dtype") as exc:
+        encode(np.zeros(2, dtype=np.complex64), name="c")
+    assert exc.value.kind == "unsupported_dtype"
+    with _raises("b", "unsupported_dtype"):
+        encode(torch.zeros(2, dtype=torch.bfloat16), name="b")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fp16_transport_round_trip(dtype: str) -> None:
+    a = _sample(dtype, (16, 9)) * 10
+    enc = encode(a, fp16=True)
+    assert enc.dtype == "float16"
+    assert enc.nbytes == a.size * 2 == encoded_size(a.shape, dtype, fp16=True)
+    out = decode("w", enc.dtype, enc.shape, enc.data, expected_dtype=dtype)
+    assert out.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(out, a, rtol=1e-3, atol=1e-4)  # float16 has an 11-bit significand
+
+
+def test_fp16_leaves_other_dtypes_alone() -> None:
+    for dtype in ("int64", "int32", "uint8", "bool", "float16"):
+        a = _sample(dtype, (3,))
+        enc = encode(a, fp16=True)
+        assert enc.dtype == dtype
+        assert encoded_size((3,), dtype, fp16=True) == enc.nbytes
+
+
+def test_fp16_refuses_to_overflow_finite_values() -> None:
+    with _raises("big", "fp16_overflow") as exc:
+        encode(np.array([1.0, 1e6], dtype=np.float32), fp16=True, name="big")
+    assert exc.value.kind == "fp16_overflow"
+    # already-infinite values are not an overflow; the receiver decides about them
+    enc = encode(np.array([np.inf, 65519.0], dtype=np.float32), fp16=True)
+    assert np.isinf(np.frombuffer(enc.data, "<f2")[0])
+
+
+def test_encoding_does_not_check_finiteness() -> None:
+    enc = encode(np.array([np.nan, np.inf], dtype=np.float32))
+    out = decode("t", enc.dtype, enc.shape, enc.data, allow_nonfinite=True)
+    assert np.isnan(out[0]) and np.isinf(out[1])
+
+
+def test_encoded_size_rejects_unknown_dtype() -> None:
+    with pytest.raises(ValueError, match="bfloat16"):
+        encoded_size((2,), "bfloat16")
+
+
+# ----------------------------------------------------------------------------- decode rejections
+
+GOOD = encode(np.arange(12, dtype=np.float32).reshape(3, 4))
+
+
+def test_decode_truncated() -> None:
+    with _raises("conv1.atoms", "truncated") as exc:
+        decode("conv1.atoms", "float32", (3, 4), GOOD.data[:-1])
+    assert exc.value.kind == "truncated" and "truncated" in exc.value.reason
+
+
+def test_decode_oversized() -> None:
+    with _raises("conv1.atoms", "oversized") as exc:
+        decode("conv1.atoms", "float32", (3, 4), GOOD.data + b"\0")
+    assert exc.value.kind == "oversized" and "oversized" in str(exc.value)
+
+
+def test_decode_max_bytes() -> None:
+    assert decode("w", "float32", (3, 4), GOOD.data, max_bytes=48).shape == (3, 4)
+    with _raises("w", "too_large") as exc:
+        decode("w", "float32", (3, 4), GOOD.data, max_bytes=47)
+    assert exc.value.kind == "too_large"
+    with _raises("w", "too_large"):  # a lying header is refused on its declared size too
+        decode("w", "float32", (1 << 30,), b"", max_bytes=1000)
+
+
+def test_decode_shape_mismatch_message() -> None:
+    with _raises("fc.weight", "shape_mismatch") as exc:
+        decode("fc.weight", "float32", (3, 4), GOOD.data, expected_shape=(4, 3))
+    assert str(exc.value) == "tensor 'fc.weight': shape (3, 4) does not match expected (4, 3)"
+    assert exc.value.tensor == "fc.weight" and exc.value.kind == "shape_mismatch"
+
+
+def test_decode_wrong_dtype() -> None:
+    enc = encode(np.arange(12, dtype=np.int32).reshape(3, 4))
+    with _raises("head.bias", "dtype_mismatch") as exc:
+        decode("head.bias", enc.dtype, enc.shape, enc.data, expected_dtype="float32")
+    assert "int32" in exc.value.reason and exc.value.kind == "dtype_mismatch"
+    half = encode(np.ones(3, dtype=np.float16))
+    with _raises("n", "dtype_mismatch"):  # fp16 is accepted only in place of a wider float
+        decode("n", half.dtype, half.shape, half.data, expected_dtype="int64")
+    with _raises("n", "dtype_mismatch"):  # and a wider float never stands in for float16
+        decode("n", GOOD.dtype, GOOD.shape, GOOD.data, expected_dtype="float16")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_decode_rejects_nonfinite(bad: float, dtype: str) -> None:
+    a = np.zeros((2, 2), dtype=dtype)
+    a[1, 0] = bad
+    enc = encode(a)
+    with _raises("conv1.atoms", "nonfinite") as exc:
+        decode("conv1.atoms", enc.dtype, enc.shape, enc.data)
+    assert str(exc.value) == "tensor 'conv1.atoms': contains NaN or Inf values"
+    out = decode("conv1.atoms", enc.dtype, enc.shape, enc.data, allow_nonfinite=True)
+    np.testing.assert_array_equal(out, a)
+
+
+def test_decode_unknown_dtype() -> None:
+    with _raises("x", "unknown_dtype") as exc:
+        decode("x", "bfloat16", (3, 4), GOOD.data)
+    assert "bfloat16" in exc.value.reason and exc.value.kind == "unknown_dtype"
+
+
+def test_decode_negative_shape() -> None:
+    with _raises("x", "bad_shape"):
+        decode("x", "float32", (-1, 4), b"")
+
+
+def test_decode_invalid_bool_bytes() -> None:
+    with _raises("mask", "invalid_bool") as exc:
+        decode("mask", "bool", (2,), b"\x01\x02")
+    assert exc.value.kind == "invalid_bool"
+
+
+def test_codec_error_is_value_error_with_attributes() -> None:
+    err = CodecError("conv1.atoms", "contains NaN or Inf values")
+    assert isinstance(err, ValueError)
+    assert (err.tensor, err.reason) == ("conv1.atoms", "contains NaN or Inf values")
+    assert str(err) == "tensor 'conv1.atoms': contains NaN or Inf values"
+
+
+# ----------------------------------------------------------------------------- chunking
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "pieces"), [(MiB, 1), (MiB + 1, 2), (MiB * 7 // 2, 4), (1, 1), (MiB - 1, 1), (2 * MiB, 2)]
+)
+def test_chunk_boundaries(nbytes: int, pieces: int) -> None:
+    a = np.arange(nbytes, dtype=np.int64).astype(np.uint8)
+    enc = encode(a)
+    chunks = list(iter_chunks("big", enc, version=7))
+    assert len(chunks) == pieces == math.ceil(nbytes / CHUNK_BYTES)
+    assert [c.offset for c in chunks] == [i * CHUNK_BYTES for i in range(pieces)]
+    assert all(0 < len(c.data) <= CHUNK_BYTES for c in chunks)
+    assert all(
+        (c.name, c.dtype, c.shape, c.version, c.total_bytes) == ("big", "uint8", (nbytes,), 7, nbytes) for c in chunks
+    )
+    assert b"".join(c.data for c in chunks) == enc.data
+    np.testing.assert_array_equal(_reassemble(chunks).finish()["big"], a)
+
+
+def test_small_chunk_size_many_chunks() -> None:
+    a = _sample("float32", (5, 7))  # 140 bytes
+    chunks = list(iter_chunks("w", encode(a), chunk_bytes=7))
+    assert len(chunks) == 20 and all(len(c.data) == 7 for c in chunks)
+    np.testing.assert_array_equal(_reassemble(chunks).finish()["w"], a)
+    with pytest.raises(ValueError):
+        list(iter_chunks("w", encode(a), chunk_bytes=0))
+
+
+def test_zero_size_tensor_is_one_empty_chunk() -> None:
+    for shape in [(0,), (4, 0)]:
+        chunks = list(iter_chunks("empty", encode(np.zeros(shape, np.float32))))
+        assert len(chunks) == 1 and chunks[0].data == b"" and chunks[0].offset == 0 and chunks[0].total_bytes == 0
+        assert _reassemble(chunks).finish()["empty"].shape == shape
+
+
+def test_reassemble_several_tensors() -> None:
+    tensors = {
+        "conv1.atoms": _sample("float32", (9, 3, 3)),
+        "conv1.coefficients": _sample("float32", (16, 3, 9), seed=1),
+        "empty": np.zeros((0, 3), np.float32),
+        "scalar": np.array(2.5, dtype=np.float64),
+        "steps": np.array([1, 2, 3], dtype=np.int64),
+        "mask": _sample("bool", (5,)),
+    }
+    r = _reassemble(_stream(tensors, chunk_bytes=50))
+    expected = {n: (a.shape, str(a.dtype)) for n, a in tensors.items()}
+    out = r.finish(expected)
+    assert list(out) == list(tensors) == list(r.names)
+    for n, a in tensors.items():
+        assert out[n].dtype == a.dtype
+        np.testing.assert_array_equal(out[n], a)
+    assert r.bytes_received == sum(a.nbytes for a in tensors.values())
+    assert r.versions() == dict.fromkeys(tensors, 3)
+
+
+def test_reassemble_fp16_upcasts_to_expected() -> None:
+    a = _sample("float32", (4, 4))
+    chunks = list(iter_chunks("w", encode(a, fp16=True), chunk_bytes=5))
+    out = _reassemble(chunks).finish({"w": ((4, 4), "float32")})["w"]
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, a, rtol=1e-3, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- reassembly rejections
+
+
+def _two() -> list[Chunk]:
+    return _stream({"a": _sample("float32", (4, 5)), "b": _sample("int64", (3,))}, chunk_bytes=16)
+
+
+def test_reassembler_truncated_before_next_tensor() -> None:
+    chunks = _two()
+    r = Reassembler()
+    r.add(chunks[0])
+    with _raises("a", "truncated") as exc:
+        r.add(next(c for c in chunks if c.name == "b"))
+    assert exc.value.kind == "truncated" and "'b'" in exc.value.reason
+
+
+def test_reassembler_truncated_at_finish() -> None:
+    chunks = _two()[:-1]
+    r = _reassemble(chunks)
+    with _raises("b", "truncated") as exc:
+        r.finish()
+    assert exc.value.kind == "truncated"
+
+
+def test_reassembler_oversized_chunk() -> None:
+    c = _two()[4]  # last chunk of "a" (80 bytes: 16 × 5)
+    r = _reassemble(_two()[:4])
+    with _raises("a", "oversized") as exc:
+        r.add(Chunk(c.name, c.dtype, c.shape, c.version, c.offset, c.data + b"\0", c.total_bytes))
+    assert exc.value.kind == "oversized"
+    r.add(c)
+    with _raises("a", "oversized"):  # anything after the last byte
+        r.add(Chunk(c.name, c.dtype, c.shape, c.version, 80, b"\0", c.total_bytes))
+
+
+def test_reassembler_total_bytes_must_match_shape() -> None:
+    c = _two()[0]
+    for total, kind in [(79, "truncated"), (81, "oversized")]:
+        with _raises("a", kind) as exc:
+            Reassembler().add(Chunk(c.name, c.dtype, c.shape, c.version, 0, c.data, total))
+        assert exc.value.kind == kind
+
+
+@pytest.mark.parametrize("offset", [0, 8, 16, 17, 48])
+def test_reassembler_gap_overlap_reorder(offset: int) -> None:
+    chunks = _two()
+    r = _reassemble(chunks[:2])  # next expected offset is 32
+    bad = chunks[1] if offset == 16 else Chunk("a", "float32", (4, 5), 3, offset, b"\0" * 16, 80)
+    with _raises("a", "offset") as exc:
+        r.add(bad)
+    assert exc.value.kind == "offset" and "expected offset 32" in exc.value.reason
+
+
+def test_reassembler_out_of_order_first_chunk() -> None:
+    chunks = _two()
+    with _raises("a", "offset") as exc:
+        Reassembler().add(chunks[1])
+    assert exc.value.kind == "offset"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"dtype": "int32"},
+        {"shape": (5, 4)},
+        {"total_bytes": 96},
+        {"version": 4},
+    ],
+)
+def test_reassembler_header_change_mid_stream(change: dict[str, object]) -> None:
+    chunks = _two()
+    r = _reassemble(chunks[:1])
+    fields = {**chunks[1].__dict__, **change}
+    with _raises("a", "header_changed") as exc:
+        r.add(Chunk(**fields))  # type: ignore[arg-type]
+    assert exc.value.kind == "header_changed"
+
+
+def test_reassembler_duplicate_tensor() -> None:
+    a = _stream({"a": _sample("float32", (2,))})
+    r = _reassemble(a + _stream({"b": _sample("int32", (2,))}))
+    with _raises("a", "duplicate") as exc:
+        r.add(a[0])
+    assert exc.value.kind == "duplicate"
+
+
+def test_reassembler_duplicate_empty_chunk() -> None:
+    r = _reassemble(_stream({"e": np.zeros(0, np.float32)}))
+    with _raises("e", "duplicate"):
+        r.add(_stream({"e": np.zeros(0, np.float32)})[0])
+
+
+def test_reassembler_rejects_empty_chunk_of_nonempty_tensor() -> None:
+    with _raises("a", "empty_chunk"):
+        Reassembler().add(Chunk("a", "float32", (2,), 0, 0, b"", 8))
+
+
+def test_reassembler_unknown_dtype() -> None:
+    with _raises("a", "unknown_dtype") as exc:
+        Reassembler().add(Chunk("a", "complex64", (2,), 0, 0, b"\0" * 16, 16))
+    assert exc.value.kind == "unknown_dtype"
+
+
+def test_reassembler_max_total_bytes() -> None:
+    chunks = _two()  # 80 + 24 bytes
+    assert _reassemble(chunks, max_total_bytes=104).finish()
+    r = Reassembler(max_total_bytes=103)
+    for c in chunks[:5]:
+        r.add(c)
+    with _raises("b", "too_large") as exc:
+        r.add(chunks[5])  # refused on the declared size, before its bytes are buffered
+    assert exc.value.kind == "too_large"
+    assert r.bytes_received == 80
+
+
+def test_finish_unknown_tensor() -> None:
+    r = _reassemble(_two())
+    with _raises("b", "unknown_tensor") as exc:
+        r.finish({"a": ((4, 5), "float32")})
+    assert exc.value.reason == "unknown tensor" and exc.value.kind == "unknown_tensor"
+
+
+def test_finish_checks_expected_shape_dtype_and_finiteness() -> None:
+    with _raises("a", "shape_mismatch"):
+        _reassemble(_two()).finish({"a": ((5, 4), "float32"), "b": ((3,), "int64")})
+    with _raises("b", "dtype_mismatch"):
+        _reassemble(_two()).finish({"a": ((4, 5), "float32"), "b": ((3,), "int32")})
+    bad = np.ones(3, np.float32)
+    bad[2] = np.nan
+    with _raises("n", "nonfinite"):
+        _reassemble(_stream({"n": bad})).finish()
+    assert np.isnan(_reassemble(_stream({"n": bad})).finish(allow_nonfinite=True)["n"][2])
+
+
+def test_finish_allows_missing_expected_names() -> None:
+    out = _reassemble(_stream({"a": np.ones(2, np.float32)})).finish({"a": ((2,), "float32"), "z": ((1,), "int64")})
+    assert list(out) == ["a"]
+
+
+# ----------------------------------------------------------------------------- property test
+
+_shapes = st.lists(st.integers(0, 6), min_size=0, max_size=4).map(tuple)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    items=st.lists(st.tuples(st.sampled_from(list(DTYPES)), _shapes, st.booleans()), min_size=1, max_size=4),
+    chunk_bytes=st.integers(1, 64),
+    seed=st.integers(0, 2**16),
+)
+def test_property_round_trip_through_chunks(
+    items: list[tuple[str, tuple[int, ...], bool]], chunk_bytes: int, seed: int
+) -> None:
+    tensors = {f"t{i}": _sample(dtype, shape, seed + i) for i, (dtype, shape, _) in enumerate(items)}
+    r = Reassembler()
+    expected = {}
+    for i, (name, arr) in enumerate(tensors.items()):
+        fp16 = items[i][2]
+        enc = encode(arr, fp16=fp16)
+        assert enc.nbytes == encoded_size(arr.shape, str(arr.dtype), fp16=fp16)
+        chunks = list(iter_chunks(name, enc, chunk_bytes=chunk_bytes))
+        assert len(chunks) == max(1, math.ceil(enc.nbytes / chunk_bytes))
+        assert all(len(c.data) <= chunk_bytes for c in chunks)
+        for c in chunks:
+            r.add(c)
+        expected[name] = (arr.shape, str(arr.dtype))
+    out = r.finish(expected)
+    for name, arr in tensors.items():
+        assert out[name].dtype == arr.dtype and out[name].shape == arr.shape
+        if arr.dtype.kind == "f" and items[int(name[1:])][2]:
+            np.testing.assert_allclose(out[name], arr, rtol=1e-3, atol=1e-3)
+        else:
+            np.testing.assert_array_equal(out[name], arr)

@@ -1,0 +1,229 @@
+"""Tests for fedcore.tiers: capability profile → the largest FedHM tier that fits."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedcore.models import FACTORIZATIONS, MODELS
+from fedcore.spec import ModelSpec
+from fedcore.tiers import (
+    BYTES_PER_TRAINED_PARAMETER,
+    TIERS,
+    CapabilityProfile,
+    NoTierFitsError,
+    assign_tier,
+    tier_costs,
+)
+
+SPEC = ModelSpec("lenet-cifar10", 10, "atoms-lowrank")  # fast to derive, strictly cheaper per tier
+HYP = settings(max_examples=30, deadline=None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """On 2 shared cores MKL's threaded SVD oversubscribes and runs 20× slower; one thread is enough."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def costs() -> dict[float, tuple[int, int]]:
+    return tier_costs(SPEC)
+
+
+def fitting_oracle(memory: int | None = None, macs: float | None = None, preferred: float | None = None) -> float:
+    """The largest tier whose costs fit, computed from the specs directly; 0.0 when none fits."""
+    fits = [
+        g
+        for g in TIERS
+        if (memory is None or SPEC.at_tier(g).num_parameters * BYTES_PER_TRAINED_PARAMETER <= memory)
+        and (macs is None or SPEC.at_tier(g).macs <= macs)
+        and (preferred is None or g <= preferred)
+    ]
+    return max(fits, default=0.0)
+
+
+def tier_or_zero(profile: CapabilityProfile) -> float:
+    try:
+        return assign_tier(profile, SPEC)
+    except NoTierFitsError:
+        return 0.0
+
+
+def test_tiers_are_fedhms_four_levels():
+    assert TIERS == (1.0, 0.5, 0.25, 0.125)
+    assert BYTES_PER_TRAINED_PARAMETER == 16
+
+
+def test_tier_costs_are_memory_and_macs_of_each_tier():
+    table = costs()
+    assert list(table) == list(TIERS)
+    for gamma, (memory, macs) in table.items():
+        spec = SPEC.at_tier(gamma)
+        assert memory == spec.num_parameters * BYTES_PER_TRAINED_PARAMETER
+        assert macs == spec.macs
+    memories = [table[g][0] for g in TIERS]
+    mac_counts = [table[g][1] for g in TIERS]
+    assert memories == sorted(memories, reverse=True) and len(set(memories)) == 4
+    assert mac_counts == sorted(mac_counts, reverse=True) and len(set(mac_counts)) == 4
+    assert tier_costs(SPEC, (0.5,)) == {0.5: table[0.5]}
+    # the tier the spec is at does not matter
+    assert tier_costs(SPEC.at_tier(0.25)) == table
+
+
+def test_unlimited_profile_gets_the_full_model():
+    assert assign_tier(CapabilityProfile(), SPEC) == 1.0
+    assert assign_tier(CapabilityProfile(uplink_bps=1.0, downlink_bps=1.0, num_samples=5), SPEC) == 1.0
+
+
+@pytest.mark.parametrize("gamma", TIERS)
+def test_memory_budget_boundaries(gamma):
+    memory = costs()[gamma][0]
+    assert assign_tier(CapabilityProfile(memory_bytes=memory), SPEC) == gamma  # exactly enough fits
+    below = TIERS.index(gamma) + 1
+    if below < len(TIERS):
+        assert assign_tier(CapabilityProfile(memory_bytes=memory - 1), SPEC) == TIERS[below]
+    else:
+        with pytest.raises(NoTierFitsError):
+            assign_tier(CapabilityProfile(memory_bytes=memory - 1), SPEC)
+
+
+@pytest.mark.parametrize("gamma", TIERS)
+def test_compute_budget_boundaries(gamma):
+    macs = costs()[gamma][1]
+    assert assign_tier(CapabilityProfile(compute_macs=float(macs)), SPEC) == gamma
+    below = TIERS.index(gamma) + 1
+    if below < len(TIERS):
+        assert assign_tier(CapabilityProfile(compute_macs=macs - 0.5), SPEC) == TIERS[below]
+    else:
+        with pytest.raises(NoTierFitsError):
+            assign_tier(CapabilityProfile(compute_macs=macs - 0.5), SPEC)
+
+
+def test_both_budgets_must_fit():
+    table = costs()
+    # memory allows γ=1/2 but compute only γ=1/4, and the other way round
+    assert assign_tier(CapabilityProfile(memory_bytes=table[0.5][0], compute_macs=table[0.25][1]), SPEC) == 0.25
+    assert assign_tier(CapabilityProfile(memory_bytes=table[0.125][0], compute_macs=table[1.0][1]), SPEC) == 0.125
+
+
+def test_preferred_tier_caps_the_assignment():
+    table = costs()
+    assert assign_tier(CapabilityProfile(preferred_tier=0.25), SPEC) == 0.25
+    assert assign_tier(CapabilityProfile(preferred_tier=1.0), SPEC) == 1.0
+    assert assign_tier(CapabilityProfile(preferred_tier=1), SPEC) == 1.0
+    # a preference never raises the tier above what fits
+    assert assign_tier(CapabilityProfile(preferred_tier=0.5, memory_bytes=table[0.125][0]), SPEC) == 0.125
+    assert assign_tier(CapabilityProfile(preferred_tier=0.125, memory_bytes=table[1.0][0]), SPEC) == 0.125
+
+
+@pytest.mark.parametrize("preferred", [0.3, 0.0, 2.0, -0.5, 1 / 3])
+def test_invalid_preferred_tier(preferred):
+    with pytest.raises(ValueError, match="preferred tier") as excinfo:
+        assign_tier(CapabilityProfile(preferred_tier=preferred), SPEC)
+    assert not isinstance(excinfo.value, NoTierFitsError)
+    for gamma in ("1", "0.5", "0.25", "0.125"):
+        assert gamma in str(excinfo.value)
+
+
+def test_nothing_fits_names_device_and_sizes():
+    memory, macs = costs()[0.125]
+    profile = CapabilityProfile(device_name="pi-zero-7", memory_bytes=memory - 1)
+    with pytest.raises(NoTierFitsError) as excinfo:
+        assign_tier(profile, SPEC)
+    message = str(excinfo.value)
+    assert isinstance(excinfo.value, ValueError)
+    assert "pi-zero-7" in message
+    assert "γ=0.125" in message
+    assert SPEC.describe() in message
+    assert f"{memory / 2**20:.1f} MiB" in message  # what the smallest tier needs
+    assert f"{macs / 1e6:.1f}M MACs" in message
+    assert f"{(memory - 1) / 2**20:.1f} MiB" in message  # what the device declares
+    assert "unlimited" in message  # no compute limit declared
+
+    with pytest.raises(NoTierFitsError, match=r"0\.0M MACs"):
+        assign_tier(CapabilityProfile(device_name="mcu", compute_macs=1.0), SPEC)
+
+
+def test_custom_tier_list():
+    table = costs()
+    assert assign_tier(CapabilityProfile(memory_bytes=table[0.25][0]), SPEC, tiers=(0.125, 0.5, 0.25)) == 0.25
+    with pytest.raises(NoTierFitsError, match=r"γ=0\.5"):
+        assign_tier(CapabilityProfile(memory_bytes=table[0.25][0]), SPEC, tiers=(1.0, 0.5))
+    with pytest.raises(ValueError, match="preferred tier"):
+        assign_tier(CapabilityProfile(preferred_tier=0.125), SPEC, tiers=(1.0, 0.5))
+
+
+def test_unfactorized_models_have_one_size():
+    spec = ModelSpec("lenet-cifar10", 10, "none")
+    memory = spec.num_parameters * BYTES_PER_TRAINED_PARAMETER
+    assert assign_tier(CapabilityProfile(memory_bytes=memory), spec) == 1.0
+    with pytest.raises(NoTierFitsError):
+        assign_tier(CapabilityProfile(memory_bytes=memory - 1), spec)
+
+
+def test_resnet18_lowrank_phone_and_desktop():
+    """FedHM §2.1's illustration, scaled: a budget between tiers lands on the tier below it."""
+    with torch.device("meta"):  # derivation reads shapes only; skips the SVD initialization
+        spec = ModelSpec("resnet18", 10, "lowrank")
+        table = tier_costs(spec)
+    assert table[1.0][0] == 11_173_962 * 16
+    assert table[0.125][0] == 1_236_042 * 16
+    assert assign_tier(CapabilityProfile(memory_bytes=100 * 2**20), spec) == 0.5  # 100 MiB
+    assert assign_tier(CapabilityProfile(memory_bytes=20 * 2**20), spec) == 0.125  # 20 MiB
+    assert assign_tier(CapabilityProfile(memory_bytes=256 * 2**20), spec) == 1.0
+
+
+@pytest.mark.parametrize("model", ["digits-cnn", "lenet-cifar100"])
+@pytest.mark.parametrize("factorization", FACTORIZATIONS)
+def test_costs_never_grow_as_the_tier_shrinks(model, factorization):
+    table = tier_costs(ModelSpec(model, MODELS[model].default_classes, factorization))
+    for bigger, smaller in itertools.pairwise(TIERS):
+        assert table[smaller][0] <= table[bigger][0]
+        assert table[smaller][1] <= table[bigger][1]
+
+
+def test_profile_to_dict():
+    profile = CapabilityProfile("phone", compute_macs=1e9, memory_bytes=2**30, preferred_tier=0.5)
+    data = profile.to_dict()
+    assert data["device_name"] == "phone" and data["memory_bytes"] == 2**30 and data["preferred_tier"] == 0.5
+    assert CapabilityProfile(**data) == profile
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@HYP
+@given(
+    st.integers(min_value=0, max_value=2 * 320_000 * 16),
+    st.integers(min_value=0, max_value=2 * 320_000 * 16),
+)
+def test_more_memory_never_gives_a_smaller_tier(a, b):
+    low, high = sorted((a, b))
+    t_low = tier_or_zero(CapabilityProfile(memory_bytes=low))
+    t_high = tier_or_zero(CapabilityProfile(memory_bytes=high))
+    assert t_low <= t_high
+    assert t_low == fitting_oracle(memory=low)
+    assert t_high == fitting_oracle(memory=high)
+
+
+@HYP
+@given(
+    memory=st.one_of(st.none(), st.integers(min_value=0, max_value=6_000_000)),
+    macs=st.one_of(st.none(), st.floats(min_value=0, max_value=2e7, allow_nan=False)),
+    preferred=st.one_of(st.none(), st.sampled_from(TIERS)),
+)
+def test_assignment_is_the_largest_fitting_tier(memory, macs, preferred):
+    profile = CapabilityProfile(memory_bytes=memory, compute_macs=macs, preferred_tier=preferred)
+    expected = fitting_oracle(memory, macs, preferred)
+    if expected == 0.0 and (memory is not None or macs is not None):
+        with pytest.raises(NoTierFitsError):
+            assign_tier(profile, SPEC)
+    else:
+        assert assign_tier(profile, SPEC) == expected

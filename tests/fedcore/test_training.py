@@ -1,0 +1,404 @@
+"""The local update: determinism, FedProx, SCAFFOLD, Frobenius decay, personal atoms, evaluation."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedcore.layers import AtomConv2d, reconstruct_filter
+from fedcore.models import build_model
+from fedcore.training import (
+    EvalResult,
+    LocalResult,
+    TrainConfig,
+    atom_names,
+    evaluate,
+    factor_pairs,
+    local_update,
+    personalized_model,
+    resolve_device,
+    train_personal_atoms,
+)
+
+CPU = "cpu"
+
+
+@dataclass
+class Toy:
+    x: Tensor
+    y: Tensor
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+def blobs(n: int = 64, classes: int = 4, seed: int = 0, noise: float = 0.3) -> Toy:
+    """8×8 single-channel images; class c lights up its own 4×4 quadrant (linearly separable)."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % classes
+    x = noise * torch.randn(n, 1, 8, 8, generator=g)
+    for c in range(classes):
+        r, col = divmod(c, 2)
+        x[y == c, 0, 4 * r : 4 * r + 4, 4 * col : 4 * col + 4] += 1.0
+    return Toy(x, y)
+
+
+def linear_model(seed: int = 0, classes: int = 4) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, classes))
+
+
+def digits(factorization: str = "none", rank_ratio: float = 1.0, seed: int = 0, classes: int = 4) -> nn.Module:
+    torch.manual_seed(seed)
+    return build_model("digits-cnn", classes, factorization, rank_ratio=rank_ratio)
+
+
+def cfg(**kw: object) -> TrainConfig:
+    return TrainConfig(**{"device": CPU, "batch_size": 16, "lr": 0.05, **kw})  # type: ignore[arg-type]
+
+
+def assert_same(a: dict[str, Tensor], b: dict[str, Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def params_of(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# --------------------------------------------------------------------------- determinism
+
+
+def test_same_seed_bit_identical_with_every_term_and_global_rng_untouched() -> None:
+    data = blobs(32)
+    model = digits("atoms")
+    base = {n: torch.full_like(p, 0.01) for n, p in model.named_parameters()}
+    atoms = {n: model.state_dict()[n].clone() for n in atom_names(model)}
+    config = cfg(prox_mu=0.1, frobenius_decay=0.01, weight_decay=1e-4, personal_epochs=1)
+
+    def run(seed: int) -> LocalResult:
+        m = copy.deepcopy(model)
+        return local_update(m, data, config, seed=seed, server_control=base, personal_atoms=atoms)
+
+    state = torch.random.get_rng_state()
+    a, b, c = run(7), run(7), run(8)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    for field in ("tensors", "control", "control_delta", "personal_atoms"):
+        assert_same(getattr(a, field), getattr(b, field))
+    assert any(not torch.equal(a.tensors[k], c.tensors[k]) for k in a.tensors)
+    assert a.personal_atoms is not None and c.personal_atoms is not None
+    assert any(not torch.equal(a.personal_atoms[k], c.personal_atoms[k]) for k in a.personal_atoms)
+
+
+def test_dropout_is_seeded() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 4))
+    data = blobs(32)
+    a = local_update(copy.deepcopy(model), data, cfg(), seed=3)
+    b = local_update(copy.deepcopy(model), data, cfg(), seed=3)
+    assert_same(a.tensors, b.tensors)
+
+
+# --------------------------------------------------------------------------- learning and evaluation
+
+
+def test_training_learns_a_separable_problem() -> None:
+    train, test = blobs(64, seed=0), blobs(64, seed=1)
+    model = digits()
+    before = evaluate(model, test, device=CPU)
+    result = local_update(model, train, cfg(local_epochs=4), seed=0)
+    after = evaluate(model, test, device=CPU)
+    assert after.loss < 0.5 * before.loss
+    assert after.accuracy >= 0.95
+    assert result.num_samples == 64
+    assert result.metrics["steps"] == 4 * 4
+    assert result.metrics["train_accuracy"] >= 0.9
+    assert set(result.metrics) >= {"train_loss", "train_accuracy", "steps", "seconds"}
+    assert result.control is None and result.personal_atoms is None
+
+
+def test_evaluate_matches_manual_computation_and_restores_mode() -> None:
+    model = linear_model(1)
+    data = blobs(5, seed=2)
+    logits = model(data.x)
+    expected_loss = F.cross_entropy(logits, data.y).item()
+    expected_acc = (logits.argmax(1) == data.y).float().mean().item()
+    model.train()
+    r = evaluate(model, data, batch_size=2, device=CPU)
+    assert isinstance(r, EvalResult) and r.num_samples == 5
+    assert r.accuracy == pytest.approx(expected_acc)
+    assert r.loss == pytest.approx(expected_loss, rel=1e-6)
+    assert model.training
+    model.eval()
+    evaluate(model, data, device=CPU)
+    assert not model.training
+    with pytest.raises(ValueError, match="empty"):
+        evaluate(model, Toy(torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long)), device=CPU)
+
+
+def test_returned_tensors_are_cpu_copies_with_bn_buffers() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 36, 4))
+    result = local_update(model, blobs(32), cfg(), seed=0)
+    assert set(result.tensors) == set(model.state_dict())
+    assert not torch.equal(result.tensors["1.running_mean"], torch.zeros(4))
+    assert result.tensors["1.num_batches_tracked"].item() == 2
+    assert all(t.device.type == "cpu" and t.is_contiguous() for t in result.tensors.values())
+    snapshot = result.tensors["3.weight"].clone()
+    with torch.no_grad():
+        model.get_submodule("3").get_parameter("weight").add_(1.0)  # the result must not alias the model
+    assert torch.equal(result.tensors["3.weight"], snapshot)
+
+
+# --------------------------------------------------------------------------- FedProx
+
+
+def reference_sgd(model: nn.Module, data: Toy, config: TrainConfig, seed: int) -> dict[str, Tensor]:
+    """Plain minibatch SGD written out independently of fedcore.training."""
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(config.local_epochs):
+        order = torch.randperm(len(data), generator=g)
+        for s in range(0, len(data), config.batch_size):
+            idx = order[s : s + config.batch_size]
+            opt.zero_grad()
+            F.cross_entropy(model(data.x[idx]), data.y[idx]).backward()
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_fedprox_zero_is_plain_sgd_and_positive_mu_stays_closer() -> None:
+    data, model = blobs(40), linear_model()
+    config = cfg(local_epochs=2)
+    plain = reference_sgd(copy.deepcopy(model), data, config, seed=5)
+    zero = local_update(copy.deepcopy(model), data, config, seed=5).tensors
+    assert_same(zero, plain)
+    prox = local_update(copy.deepcopy(model), data, cfg(local_epochs=2, prox_mu=5.0), seed=5).tensors
+    start = model.state_dict()
+
+    def dist(t: dict[str, Tensor]) -> float:
+        return sum(float((t[k] - start[k]).pow(2).sum()) for k in start)
+
+    assert 0 < dist(prox) < 0.7 * dist(zero)
+
+
+# --------------------------------------------------------------------------- SCAFFOLD
+
+
+def test_scaffold_with_zero_controls_is_plain_sgd() -> None:
+    data, model = blobs(40), linear_model()
+    config = cfg(local_epochs=2)
+    zeros = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    plain = local_update(copy.deepcopy(model), data, config, seed=2)
+    scaf = local_update(copy.deepcopy(model), data, config, seed=2, server_control=zeros, client_control=zeros)
+    assert_same(scaf.tensors, plain.tensors)
+    assert scaf.control is not None and scaf.control_delta is not None
+    assert set(scaf.control) == {"1.weight", "1.bias"}
+    k = int(scaf.metrics["steps"])
+    assert k == 2 * 3
+    start = model.state_dict()
+    for n in scaf.control:
+        expected = (start[n] - scaf.tensors[n]) / (k * config.lr)
+        torch.testing.assert_close(scaf.control[n], expected, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(scaf.control_delta[n], scaf.control[n])
+
+
+class WithUnused(nn.Module):
+    """A linear classifier plus a parameter the loss never sees (its gradient is exactly the correction)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(64, 4)
+        self.unused = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x.flatten(1))
+
+
+def test_scaffold_correction_matches_hand_computed_step() -> None:
+    data, model = blobs(12, seed=3), WithUnused()
+    lr = 0.1
+    config = cfg(lr=lr, momentum=0.0, batch_size=len(data))  # one full-batch step: K = 1
+    c = {n: torch.full_like(p, 0.3) for n, p in model.named_parameters()}
+    ci = {n: torch.full_like(p, -0.2) for n, p in model.named_parameters()}
+    ref = copy.deepcopy(model)
+    F.cross_entropy(ref(data.x), data.y).backward()
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref.named_parameters()}
+    start = params_of(model)
+
+    r = local_update(model, data, config, seed=0, server_control=c, client_control=ci)
+    assert r.metrics["steps"] == 1
+    assert r.control is not None and r.control_delta is not None
+    for n in start:
+        expected = start[n] - lr * (grads[n] + c[n] - ci[n])
+        torch.testing.assert_close(r.tensors[n], expected, rtol=1e-5, atol=1e-6)
+        # option II after one step: c_i⁺ = c_i − c + (g + c − c_i) = g
+        torch.testing.assert_close(r.control[n], grads[n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(r.control_delta[n], r.control[n] - ci[n])
+    # the correction moves against c − c_i = 0.5 on the parameter the loss ignores
+    assert torch.allclose(r.tensors["unused"], torch.full((3,), -lr * 0.5))
+
+    # several momentum-free steps on the unused parameter: exactly K·lr·(c − c_i)
+    r3 = local_update(WithUnused(), data, cfg(lr=lr, momentum=0.0, batch_size=5), seed=0, server_control=c)
+    assert r3.metrics["steps"] == 3
+    torch.testing.assert_close(r3.tensors["unused"], torch.full((3,), -3 * lr * 0.3))
+
+
+def test_scaffold_control_validation() -> None:
+    data, model = blobs(8), linear_model()
+    zeros = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="missing"):
+        local_update(model, data, cfg(), seed=0, server_control={"1.weight": zeros["1.weight"]})
+    with pytest.raises(ValueError, match="shape"):
+        local_update(model, data, cfg(), seed=0, server_control={**zeros, "1.bias": torch.zeros(7)})
+    with pytest.raises(ValueError, match="server_control"):
+        local_update(model, data, cfg(), seed=0, client_control=zeros)
+
+
+# --------------------------------------------------------------------------- Frobenius decay
+
+
+@pytest.mark.parametrize(
+    ("factorization", "pairs"), [("lowrank", ["conv2", "fc1"]), ("atoms-lowrank", ["conv2", "fc1"])]
+)
+def test_frobenius_decay_shrinks_low_rank_products(factorization: str, pairs: list[str]) -> None:
+    model = digits(factorization, rank_ratio=0.25)
+    assert [name for name, _, _ in factor_pairs(model)] == pairs
+    data = blobs(32)
+
+    def norms(lam: float) -> list[float]:
+        m = copy.deepcopy(model)
+        local_update(m, data, cfg(frobenius_decay=lam, lr=0.02), seed=0)
+        return [float((u @ v).detach().norm()) for _, u, v in factor_pairs(m)]
+
+    plain, decayed = norms(0.0), norms(2.0)
+    assert all(d < p for d, p in zip(decayed, plain, strict=True))
+
+
+def test_frobenius_decay_is_a_no_op_without_factors() -> None:
+    data, model = blobs(16), linear_model()
+    a = local_update(copy.deepcopy(model), data, cfg(), seed=0)
+    b = local_update(copy.deepcopy(model), data, cfg(frobenius_decay=1.0), seed=0)
+    assert_same(a.tensors, b.tensors)
+
+
+# --------------------------------------------------------------------------- personal atoms
+
+
+def test_personal_phase_trains_only_atoms() -> None:
+    data, model = blobs(32), digits("atoms")
+    received = params_of(model)
+    own = {n: received[n] + 0.05 for n in atom_names(model)}
+    own_before = {n: t.clone() for n, t in own.items()}
+    personal, metrics = train_personal_atoms(model, data, cfg(personal_epochs=2), own, seed=0)
+    assert metrics["personal_steps"] == 4
+    trained = params_of(personal)
+    assert set(atom_names(model)) == {"conv1.atoms", "conv2.atoms"}
+    for n, t in trained.items():
+        if n.endswith(".atoms"):
+            assert not torch.equal(t, own[n]), n
+        else:
+            assert torch.equal(t, received[n]), n  # global coefficients, biases, head frozen
+    assert_same(params_of(model), received)  # the received model is untouched
+    assert_same(own, own_before)  # and so are the caller's atoms
+
+
+def test_personalization_does_not_perturb_the_global_update() -> None:
+    data, model = blobs(32), digits("atoms")
+    own = {n: model.state_dict()[n].clone() for n in atom_names(model)}  # a new client: copies of the globals
+    config = cfg(prox_mu=0.01)
+    plain = local_update(copy.deepcopy(model), data, config, seed=4)
+    both = local_update(copy.deepcopy(model), data, config, seed=4, personal_atoms=own)
+    assert_same(both.tensors, plain.tensors)
+    assert both.personal_atoms is not None and set(both.personal_atoms) == set(own)
+    assert all(not torch.equal(both.personal_atoms[n], own[n]) for n in own)
+    assert "personal_train_loss" in both.metrics
+    # the returned atoms are the personal phase's
+    personal, _ = train_personal_atoms(copy.deepcopy(model), data, config, own, seed=4)
+    assert_same(both.personal_atoms, {n: personal.state_dict()[n] for n in own})
+
+
+def test_personalized_model_is_global_coefficients_times_personal_atoms() -> None:
+    model = digits("atoms")
+    own = {n: torch.randn_like(model.state_dict()[n]) for n in atom_names(model)}
+    personal = personalized_model(model, own)
+    conv2, personal_conv2 = model.get_submodule("conv2"), personal.get_submodule("conv2")
+    assert isinstance(conv2, AtomConv2d) and isinstance(personal_conv2, AtomConv2d)
+    expected = reconstruct_filter(conv2.coefficients, own["conv2.atoms"])
+    torch.testing.assert_close(personal_conv2.weight, expected)
+    assert not torch.equal(conv2.atoms, own["conv2.atoms"])  # the global model keeps its atoms
+    x = blobs(4).x
+    assert personal(x).shape == (4, 4)
+
+
+def test_personal_atoms_errors() -> None:
+    data = blobs(8)
+    with pytest.raises(ValueError, match="AtomConv2d"):
+        local_update(digits(), data, cfg(), seed=0, personal_atoms={"conv2.atoms": torch.zeros(9, 3, 3)})
+    model = digits("atoms")
+    with pytest.raises(ValueError, match="exactly"):
+        local_update(model, data, cfg(), seed=0, personal_atoms={"conv2.atoms": torch.zeros(9, 3, 3)})
+    bad = {n: torch.zeros(5, 3, 3) for n in atom_names(model)}
+    with pytest.raises(ValueError, match="shape"):
+        personalized_model(model, bad)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def test_train_config_json_round_trip() -> None:
+    config = TrainConfig(local_epochs=3, batch_size=8, lr=0.1, prox_mu=0.01, frobenius_decay=1e-4, personal_epochs=2)
+    assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert TrainConfig().effective_personal_epochs == 1
+    assert config.effective_personal_epochs == 2
+    with pytest.raises(ValueError, match="unknown TrainConfig fields: epochs"):
+        TrainConfig.from_dict({"epochs": 2})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"local_epochs": 0},
+        {"local_epochs": 1.5},
+        {"local_epochs": True},
+        {"batch_size": 0},
+        {"lr": 0.0},
+        {"lr": float("nan")},
+        {"lr": "0.1"},
+        {"momentum": 1.0},
+        {"weight_decay": -1e-4},
+        {"prox_mu": -0.1},
+        {"frobenius_decay": -1.0},
+        {"personal_epochs": 0},
+        {"device": ""},
+    ],
+)
+def test_train_config_validation(bad: dict) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        TrainConfig(**bad)
+
+
+def test_resolve_device() -> None:
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="unknown device"):
+        resolve_device("abacus")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda")
+
+
+def test_empty_or_mismatched_data_is_rejected() -> None:
+    model = linear_model()
+    with pytest.raises(ValueError, match="empty"):
+        local_update(model, Toy(torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long)), cfg(), seed=0)
+    with pytest.raises(ValueError, match="labels"):
+        local_update(model, Toy(torch.zeros(3, 1, 8, 8), torch.zeros(2, dtype=torch.long)), cfg(), seed=0)
