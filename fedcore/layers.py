@@ -174,7 +174,9 @@ class AtomConv2d(nn.Module):
 
     With ``rank`` set, the coefficient matrix ``(o, i·m)`` is held as ``coefficients_u (o, r)``
     and ``coefficients_v (r, i·m)`` (FedHM on the coefficients), and the forward pass takes the
-    cheaper of reconstruct-then-conv and atom conv → 1×1 (i·m→r) → 1×1 (r→o).
+    cheaper of reconstruct-then-conv and the factored form: a k×k conv to ``r`` channels with
+    filters ``V × D`` then a 1×1 conv by ``U`` (the same function as atom conv → 1×1 (i·m→r) →
+    1×1 (r→o), which stays available as ``path="atoms"``).
     """
 
     def __init__(
@@ -272,22 +274,33 @@ class AtomConv2d(nn.Module):
     def _path_macs(self, h: int, w: int) -> dict[str, int]:
         ho, wo = self._output_hw(h, w)
         o, i, m, k = self.out_channels, self.in_channels, self.num_atoms, self.kernel_size
-        inner = o * i * m if self.rank is None else self.rank * (i * m + o)
-        return {"dense": o * i * k * k * ho * wo, "atoms": (i * m * k * k + inner) * ho * wo}
+        macs = {"dense": o * i * k * k * ho * wo}
+        if self.rank is None:
+            macs["atoms"] = (i * m * k * k + o * i * m) * ho * wo
+        else:
+            r = self.rank
+            macs["atoms"] = (i * m * k * k + r * (i * m + o)) * ho * wo
+            macs["factored"] = (r * i * k * k + r * o) * ho * wo
+        return macs
 
     def _path(self, h: int, w: int) -> str:
-        """The cheaper path in MACs; full coefficients always reconstruct (never cheaper the other way)."""
+        """The cheaper in MACs of reconstruct-then-conv and the factored path (low-rank tiers only).
+
+        The literal two-layer form (``"atoms"``) computes the same function as ``"factored"``
+        but its 9×-wide grouped-conv activation makes it several times slower in practice
+        (benchmarks/layers.py), so it runs only when asked for.
+        """
         if self.rank is None:
             return "dense"
         macs = self._path_macs(h, w)
-        return "atoms" if macs["atoms"] < macs["dense"] else "dense"
+        return "factored" if macs["factored"] < macs["dense"] else "dense"
 
     def macs_per_sample(self, h: int, w: int, path: str | None = None) -> int:
         """Multiply-accumulates of one sample through ``path`` (default: the one :meth:`forward` takes)."""
         macs = self._path_macs(h, w)
         chosen = path or self._path(h, w)
         if chosen not in macs:
-            raise ValueError(f"unknown path {chosen!r}; use 'dense' or 'atoms'")
+            raise ValueError(f"unknown path {chosen!r} for this layer; use one of {', '.join(macs)}")
         return macs[chosen]
 
     def forward(self, x: Tensor, path: str | None = None) -> Tensor:
@@ -296,7 +309,16 @@ class AtomConv2d(nn.Module):
             return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
         if chosen == "atoms":
             return self._two_layer(x)
-        raise ValueError(f"unknown path {chosen!r}; use 'dense' or 'atoms'")
+        if chosen == "factored" and self.rank is not None:
+            return self._factored(x)
+        raise ValueError(f"unknown path {chosen!r}; use 'dense', 'atoms' or (low-rank tiers) 'factored'")
+
+    def _factored(self, x: Tensor) -> Tensor:
+        """``W = U·(V × D)``: a k×k conv to ``r`` channels with filters ``V × D``, then a 1×1 conv by ``U``."""
+        assert self.rank is not None
+        v = matrix_to_coefficients(self.coefficients_v, self.in_channels, self.num_atoms)
+        z = F.conv2d(x, reconstruct_filter(v, self.atoms), None, self.stride, self.padding, self.dilation)
+        return F.conv2d(z, self.coefficients_u[:, :, None, None], self.bias)
 
     def _two_layer(self, x: Tensor) -> Tensor:
         """DCF's literal form: atoms on every input channel, then 1×1 coefficient convs."""

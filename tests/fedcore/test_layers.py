@@ -169,17 +169,18 @@ def _check_atomconv_lowrank(stride, padding, dilation, k, bias, rank):
 
     y_dense = layer(x, path="dense")
     y_atoms = layer(x, path="atoms")
+    y_factored = layer(x, path="factored")
     y_default = layer(x)
     y_conv = F.conv2d(x, layer.weight, layer.bias, stride, padding, dilation)
     y_ref = F.conv2d(x, ref_weight(coeff, layer.atoms), layer.bias, stride, padding, dilation)
     y_lit = ref_two_layer(x, coeff, layer.atoms, layer.bias, stride, padding, dilation)
-    for y in (y_atoms, y_default, y_conv, y_ref, y_lit):
+    for y in (y_atoms, y_factored, y_default, y_conv, y_ref, y_lit):
         torch.testing.assert_close(y, y_dense, **TOL)
 
     g = torch.randn_like(y_dense)
     g_dense = grads(y_dense, g, wrt)
     assert all(t.abs().sum() > 0 for t in g_dense)
-    for y in (y_atoms, y_default, y_conv, y_ref, y_lit):
+    for y in (y_atoms, y_factored, y_default, y_conv, y_ref, y_lit):
         assert_all_close(grads(y, g, wrt), g_dense)
 
 
@@ -199,14 +200,15 @@ def test_atomconv_lowrank_three_forms_agree(stride, padding, dilation, k):
 def _macs(o, i, m, k, r, ho, wo):
     dense = o * i * k * k * ho * wo
     two_layer = (i * m * k * k + i * m * r + r * o) * ho * wo
-    return dense, two_layer
+    factored = (r * i * k * k + r * o) * ho * wo
+    return dense, two_layer, factored
 
 
 @pytest.mark.parametrize(
     ("c_in", "c_out", "m", "r", "k", "stride", "padding", "expected"),
     [
-        (64, 64, 9, 8, 3, 1, 1, "atoms"),  # wide layer, small rank: two-layer form is far cheaper
-        (64, 64, 9, 8, 3, 2, 1, "atoms"),
+        (64, 64, 9, 8, 3, 1, 1, "factored"),  # wide layer, small rank: U·(V×D) is far cheaper
+        (64, 64, 9, 8, 3, 2, 1, "factored"),
         (2, 3, 9, 3, 3, 1, 1, "dense"),  # tiny layer, rank as large as allowed: reconstruct-then-conv
         (3, 4, 12, 4, 3, 1, 0, "dense"),
     ],
@@ -217,25 +219,35 @@ def test_atomconv_lowrank_path_choice_and_macs(monkeypatch, c_in, c_out, m, r, k
     x = torch.randn(1, c_in, h, w)
     y_dense = layer(x, path="dense")
     ho, wo = y_dense.shape[-2:]
-    dense, two_layer = _macs(c_out, c_in, m, k, r, ho, wo)
-    assert (two_layer < dense) == (expected == "atoms")
+    dense, two_layer, factored = _macs(c_out, c_in, m, k, r, ho, wo)
+    assert (factored < dense) == (expected == "factored")
 
-    assert layer.macs_per_sample(h, w) == min(dense, two_layer)
+    assert layer.macs_per_sample(h, w) == min(dense, factored)
     assert layer.macs_per_sample(h, w, path="dense") == dense
     assert layer.macs_per_sample(h, w, path="atoms") == two_layer
+    assert layer.macs_per_sample(h, w, path="factored") == factored
 
-    real_two_layer = layer._two_layer
+    real_factored = layer._factored
     calls = []
 
     def spy(inp):
         calls.append(1)
-        return real_two_layer(inp)
+        return real_factored(inp)
 
-    monkeypatch.setattr(layer, "_two_layer", spy)
+    monkeypatch.setattr(layer, "_factored", spy)
     y_default = layer(x)
-    assert (len(calls) == 1) == (expected == "atoms")
+    assert (len(calls) == 1) == (expected == "factored")
     torch.testing.assert_close(y_default, y_dense, **TOL)
     torch.testing.assert_close(layer(x, path="atoms"), y_dense, **TOL)
+    torch.testing.assert_close(layer(x, path="factored"), y_dense, **TOL)
+
+
+def test_full_coefficient_layer_has_no_factored_path():
+    layer = AtomConv2d(3, 4, 3, num_atoms=9)
+    with pytest.raises(ValueError, match="unknown path"):
+        layer(torch.randn(1, 3, 5, 5), path="factored")
+    with pytest.raises(ValueError, match="unknown path"):
+        layer.macs_per_sample(5, 5, path="factored")
 
 
 # --------------------------------------------------------------------------- 3. from_conv
