@@ -1,0 +1,208 @@
+"""The round state machine without transport or storage: cohort, due tensors, fold, close.
+
+`Federation` owns the global full-rank tensors with their versions, the strategy, the
+interval policy and the per-tier downloads. The in-process simulator drives it directly;
+the gRPC service drives the same object and persists what it returns, so both transports
+compute identical rounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from aggregator_service.aggregation import AggregateResult, ClientUpdate, RoundAccumulator, Strategy, refactorize
+from aggregator_service.intervals import IntervalPolicy, discrepancy
+from aggregator_service.metrics import latent_clients
+from fedcore.codec import encoded_size
+from fedcore.spec import ModelSpec
+
+__all__ = ["COHORT_MODES", "CohortSampler", "Federation", "RoundOutcome", "RoundPlan", "derive_seed"]
+
+COHORT_MODES = ("period", "per_round")
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from (seed, round, client…): stable across processes and transports."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    round: int
+    cohort: tuple[str, ...]
+    due: tuple[str, ...]  # full-rank tensor names aggregated at the end of this round
+    continue_unsynced: bool  # cohort members keep their local values of tensors not synced last round
+
+
+class CohortSampler:
+    """Samples ``max(min_clients, round(fraction·N))`` clients, per round or per sync period.
+
+    In ``period`` mode (FedLAMA's rule) a cohort stays for the policy's whole sync period, so
+    tensors with long intervals continue from the clients' local values; ``per_round``
+    resamples every round (the decomposition paper's setting) and clients start from the
+    last global values.
+    """
+
+    def __init__(self, fraction: float = 1.0, min_clients: int = 1, mode: str = "period", seed: int = 0) -> None:
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+        if min_clients < 1:
+            raise ValueError(f"min_clients must be ≥ 1, got {min_clients}")
+        if mode not in COHORT_MODES:
+            raise ValueError(f"unknown cohort mode {mode!r}; choose one of {', '.join(COHORT_MODES)}")
+        self.fraction, self.min_clients, self.mode, self.seed = fraction, min_clients, mode, seed
+
+    def size(self, available: int) -> int:
+        return min(available, max(self.min_clients, math.floor(self.fraction * available + 0.5)))
+
+    def starts_period(self, round_: int, sync_period: int) -> bool:
+        return self.mode == "per_round" or (round_ - 1) % sync_period == 0
+
+    def sample(self, round_: int, candidates: Sequence[str]) -> tuple[str, ...]:
+        pool = sorted(candidates)
+        if len(pool) < self.min_clients:
+            raise ValueError(f"round {round_}: {len(pool)} clients available, at least {self.min_clients} needed")
+        chosen = random.Random(derive_seed(self.seed, "cohort", round_)).sample(pool, self.size(len(pool)))
+        return tuple(sorted(chosen))
+
+
+@dataclass
+class RoundOutcome:
+    """What closing a round produced; the service writes all of it in one transaction."""
+
+    round: int
+    cohort: tuple[str, ...]
+    due: tuple[str, ...]
+    result: AggregateResult
+    discrepancy: dict[str, float]
+    intervals: dict[str, int]  # intervals in force for the next round
+    latent_clients: int
+    reported: int
+    fold_order: list[str] = field(default_factory=list)
+
+
+class Federation:
+    """Global model, versions, strategy and interval policy: one round at a time."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        strategy: Strategy,
+        policy: IntervalPolicy,
+        sampler: CohortSampler,
+        *,
+        init_seed: int = 0,
+        global_tensors: Mapping[str, Tensor] | None = None,
+        fp16: bool = False,
+    ) -> None:
+        self.spec = spec.full()
+        self.strategy = strategy
+        self.policy = policy
+        self.sampler = sampler
+        self.fp16 = fp16
+        if global_tensors is None:
+            with torch.random.fork_rng():
+                torch.manual_seed(init_seed)
+                global_tensors = self.spec.build().state_dict()
+        missing = set(self.spec.names) - set(global_tensors)
+        if missing:
+            raise ValueError(f"global model lacks tensors {sorted(missing)[:5]}")
+        self.global_tensors: dict[str, Tensor] = {n: global_tensors[n].detach().clone() for n in self.spec.names}
+        self.versions: dict[str, int] = dict.fromkeys(self.spec.names, 0)
+        self.round = 0
+        self.cohort: tuple[str, ...] = ()
+        self._tier_cache: dict[float, tuple[tuple[int, ...], dict[str, Tensor]]] = {}
+        self._acc: RoundAccumulator | None = None
+        self._plan: RoundPlan | None = None
+        self._fold_order: list[str] = []
+
+    # -- what clients download
+    def tier_spec(self, tier: float) -> ModelSpec:
+        return self.spec.at_tier(tier)
+
+    def tier_tensors(self, tier: float) -> dict[str, Tensor]:
+        """The global model shaped for ``tier`` (truncated SVD of factorized tensors), cached per version."""
+        key = tuple(self.versions.values())
+        cached = self._tier_cache.get(tier)
+        if cached is None or cached[0] != key:
+            tensors = refactorize(self.global_tensors, [self.tier_spec(tier)])[tier]
+            self._tier_cache[tier] = (key, tensors)
+            return tensors
+        return cached[1]
+
+    def tier_versions(self, tier: float) -> dict[str, int]:
+        return {t.name: self.versions[t.full_name or t.name] for t in self.tier_spec(tier).tensors}
+
+    def fetch(self, tier: float, held: Mapping[str, int]) -> dict[str, tuple[Tensor, int]]:
+        """Tensors whose global version is newer than what the client holds."""
+        versions = self.tier_versions(tier)
+        tensors = self.tier_tensors(tier)
+        return {n: (tensors[n], v) for n, v in versions.items() if held.get(n, -1) < v}
+
+    def tier_due(self, tier: float, due: Sequence[str]) -> tuple[str, ...]:
+        wanted = set(due)
+        return tuple(t.name for t in self.tier_spec(tier).tensors if (t.full_name or t.name) in wanted)
+
+    def download_bytes(self, tensors: Mapping[str, tuple[Tensor, int]]) -> dict[str, int]:
+        return {n: encoded_size(tuple(t.shape), _dtype(t), self.fp16) for n, (t, _) in tensors.items()}
+
+    # -- the round
+    def plan(self, round_: int, candidates: Sequence[str]) -> RoundPlan:
+        if self._plan is not None:
+            raise RuntimeError(f"round {self._plan.round} is still open")
+        period = self.policy.sync_period
+        new_period = self.sampler.starts_period(round_, period) or not self.cohort
+        if new_period:
+            self.cohort = self.sampler.sample(round_, candidates)
+        due = tuple(n for n in self.policy.due(round_) if n not in self.strategy.local_tensors(self.spec))
+        self._plan = RoundPlan(round_, self.cohort, due, continue_unsynced=not new_period)
+        self._acc = self.strategy.begin(self.global_tensors, due)
+        self._fold_order = []
+        return self._plan
+
+    def fold(self, update: ClientUpdate) -> None:
+        if self._plan is None or self._acc is None:
+            raise RuntimeError("no open round")
+        if update.client_id not in self._plan.cohort:
+            raise ValueError(f"client {update.client_id} is not in round {self._plan.round}'s cohort")
+        self.strategy.fold(self._acc, update)
+        self._fold_order.append(update.client_id)
+
+    def close(self) -> RoundOutcome:
+        if self._plan is None or self._acc is None:
+            raise RuntimeError("no open round")
+        plan, acc = self._plan, self._acc
+        result = self.strategy.finish(acc, self.global_tensors)
+        for name, tensor in result.tensors.items():
+            self.global_tensors[name] = tensor
+            self.versions[name] = plan.round
+        d = {
+            n: discrepancy(result.dispersion[n], self.policy.interval(n), self.global_tensors[n].numel())
+            for n in result.dispersion
+        }
+        self.policy.observe(plan.round, d)
+        self.round = plan.round
+        self._plan, self._acc = None, None
+        return RoundOutcome(
+            round=plan.round,
+            cohort=plan.cohort,
+            due=plan.due,
+            result=result,
+            discrepancy=d,
+            intervals=self.policy.intervals(),
+            latent_clients=latent_clients(result.num_clients),
+            reported=result.num_clients,
+            fold_order=list(self._fold_order),
+        )
+
+
+def _dtype(t: Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")

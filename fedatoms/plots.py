@@ -1,0 +1,73 @@
+"""`fedatoms plot`: one figure comparing simulation runs, because curves read better than tables.
+
+Panels: global (and personalized) test accuracy per round, cumulative bytes against the
+FedAvg-equivalent, total dispersion, and the per-tensor aggregation intervals of the first run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot_runs", "run_label"]
+
+
+def run_label(results: dict[str, Any], fallback: str) -> str:
+    c = results.get("config", {})
+    parts = [c.get("factorization", "?"), c.get("interval_policy", "?")]
+    if c.get("strategy", "fedavg") != "fedavg":
+        parts.insert(0, c["strategy"])
+    if len(c.get("tiers", [1.0])) > 1:
+        parts.append("tiers " + ",".join(f"{t:g}" for t in c["tiers"]))
+    return " / ".join(parts) if c else fallback
+
+
+def plot_runs(paths: Sequence[str | Path], output: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(Path(p), json.loads(Path(p).read_text())) for p in paths]
+    if not runs:
+        raise ValueError("give at least one results JSON")
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), constrained_layout=True)
+    ax_acc, ax_bytes, ax_disp, ax_int = axes.flat
+    for path, res in runs:
+        label = run_label(res, path.stem)
+        rounds = [r["round"] for r in res["rounds"]]
+        (line,) = ax_acc.plot(rounds, [r["test_accuracy"] for r in res["rounds"]], label=f"{label}: global")
+        personal = [r.get("personalized_accuracy") for r in res["rounds"]]
+        if any(p is not None for p in personal):
+            ax_acc.plot(rounds, personal, linestyle="--", color=line.get_color(), label=f"{label}: personalized")
+        moved = [(r["cumulative_bytes_up"] + r["cumulative_bytes_down"]) / 1e6 for r in res["rounds"]]
+        ax_bytes.plot(rounds, moved, color=line.get_color(), label=f"{label}: moved")
+        ax_bytes.plot(
+            rounds,
+            [r["cumulative_fedavg_equivalent_bytes"] / 1e6 for r in res["rounds"]],
+            color=line.get_color(),
+            linestyle=":",
+            label=f"{label}: FedAvg-equivalent",
+        )
+        ax_disp.plot(rounds, [r["dispersion"] for r in res["rounds"]], color=line.get_color(), label=label)
+    ax_acc.set(title="test accuracy", xlabel="round", ylabel="accuracy", ylim=(0, 1))
+    ax_bytes.set(title="cumulative bytes (down + up)", xlabel="round", ylabel="MB")
+    ax_disp.set(title="total dispersion Σ p_k‖x_k − u‖² (aggregated tensors)", xlabel="round", yscale="log")
+    for ax in (ax_acc, ax_bytes, ax_disp):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+
+    first_path, first = runs[0]
+    names = list(first["rounds"][0]["tensors"])
+    grid = [[first["rounds"][i]["tensors"][n]["interval"] for i in range(len(first["rounds"]))] for n in names]
+    image = ax_int.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
+    ax_int.set(title=f"aggregation interval per tensor ({run_label(first, first_path.stem)})", xlabel="round")
+    ax_int.set_yticks(range(len(names)), names, fontsize=6)
+    ax_int.set_xticks(range(len(first["rounds"])), [str(r["round"]) for r in first["rounds"]], fontsize=6)
+    fig.colorbar(image, ax=ax_int, label="interval (rounds)")
+    output = Path(output)
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return output

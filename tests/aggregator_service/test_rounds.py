@@ -1,0 +1,150 @@
+"""The round state machine: cohorts, due tensors, per-tier downloads, fold and close."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aggregator_service.aggregation import ClientUpdate, FedAvg, refactorize
+from aggregator_service.intervals import EveryRound, FedLAMA, FixedSchedule
+from aggregator_service.rounds import CohortSampler, Federation, derive_seed
+from fedcore.spec import ModelSpec
+
+SPEC = ModelSpec("digits-cnn", 10, "atoms-lowrank", 9)
+CLIENTS = [f"c{i}" for i in range(8)]
+
+
+def federation(policy_cls=EveryRound, mode="period", **policy_kw) -> Federation:
+    full = SPEC.full()
+    return Federation(
+        full, FedAvg(), policy_cls(full.tensors, **policy_kw), CohortSampler(0.5, 2, mode, seed=1), init_seed=0
+    )
+
+
+def perturbed(tensors: dict[str, torch.Tensor], scale: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: t + scale * torch.randn(t.shape, generator=g) if t.is_floating_point() else t for n, t in tensors.items()
+    }
+
+
+def test_derive_seed_is_stable_and_distinct():
+    assert derive_seed(0, 1, "a") == derive_seed(0, 1, "a")
+    assert len({derive_seed(0, r, c) for r in range(5) for c in "abc"}) == 15
+    assert 0 <= derive_seed("x") < 2**63
+
+
+def test_cohort_size_and_validation():
+    s = CohortSampler(0.5, 3, seed=0)
+    assert s.size(20) == 10 and s.size(4) == 3 and s.size(2) == 2
+    assert s.sample(1, CLIENTS) == s.sample(1, list(reversed(CLIENTS)))  # order of candidates does not matter
+    with pytest.raises(ValueError, match="at least 3"):
+        s.sample(1, ["a", "b"])
+    for bad in (dict(fraction=0.0), dict(fraction=1.5), dict(min_clients=0), dict(mode="sometimes")):
+        with pytest.raises(ValueError):
+            CohortSampler(**bad)
+
+
+def test_period_mode_keeps_the_cohort_for_the_sync_period():
+    fed = federation(FedLAMA, tau_base=1, phi=3)
+    cohorts = []
+    for r in range(1, 7):
+        plan = fed.plan(r, CLIENTS)
+        cohorts.append(plan.cohort)
+        assert plan.continue_unsynced == ((r - 1) % 3 != 0)
+        for cid in plan.cohort:
+            fed.fold(update(fed, cid, plan.due, seed=r))
+        fed.close()
+    assert cohorts[0] == cohorts[1] == cohorts[2]
+    assert cohorts[3] == cohorts[4] == cohorts[5]
+    assert cohorts[0] != cohorts[3]
+
+
+def test_per_round_mode_resamples_every_round():
+    fed = federation(FedLAMA, mode="per_round", tau_base=1, phi=3)
+    plans = []
+    for r in range(1, 4):
+        plan = fed.plan(r, CLIENTS)
+        plans.append(plan)
+        for cid in plan.cohort:
+            fed.fold(update(fed, cid, plan.due, seed=r))
+        fed.close()
+    assert not any(p.continue_unsynced for p in plans)
+    assert len({p.cohort for p in plans}) > 1
+
+
+def update(fed: Federation, cid: str, due, seed: int, tier: float = 1.0) -> ClientUpdate:
+    spec = fed.tier_spec(tier)
+    local = perturbed(fed.tier_tensors(tier), 0.01, seed * 100 + int(cid[1:]))
+    names = fed.tier_due(tier, due)
+    return ClientUpdate(cid, 10 + int(cid[1:]), tier, spec, {n: local[n] for n in names})
+
+
+def test_close_updates_due_tensors_versions_and_intervals():
+    fed = federation(FixedSchedule, beta=0.5)
+    plan = fed.plan(1, CLIENTS)
+    assert "conv2.coefficients" not in plan.due and "conv2.atoms" in plan.due
+    before = {n: t.clone() for n, t in fed.global_tensors.items()}
+    for cid in plan.cohort:
+        fed.fold(update(fed, cid, plan.due, seed=1))
+    outcome = fed.close()
+    assert outcome.reported == len(plan.cohort)
+    assert outcome.latent_clients == len(plan.cohort) ** 2 - len(plan.cohort)
+    for name in fed.spec.names:
+        changed = not torch.equal(before[name], fed.global_tensors[name])
+        assert fed.versions[name] == (1 if name in plan.due else 0)
+        if fed.global_tensors[name].is_floating_point():
+            assert changed == (name in plan.due), name
+    assert set(outcome.discrepancy) == set(plan.due)
+    assert all(d >= 0 for d in outcome.discrepancy.values())
+
+
+def test_fetch_moves_only_newer_versions_shaped_for_the_tier():
+    fed = federation(FixedSchedule, beta=0.5)
+    tier = 0.25
+    first = fed.fetch(tier, {})
+    assert set(first) == set(fed.tier_spec(tier).names)
+    assert first["conv2.coefficients_u"][0].shape == fed.tier_spec(tier).tensor("conv2.coefficients_u").shape
+    held = {n: v for n, (_, v) in first.items()}
+    assert fed.fetch(tier, held) == {}
+    plan = fed.plan(1, CLIENTS)
+    for cid in plan.cohort:
+        fed.fold(update(fed, cid, plan.due, seed=1))
+    fed.close()
+    second = fed.fetch(tier, held)
+    assert set(second) == set(fed.tier_due(tier, plan.due))
+    assert "conv2.coefficients_u" not in second  # coefficients were not due in round 1
+    sizes = fed.download_bytes(second)
+    assert sum(sizes.values()) == sum(t.numel() * t.element_size() for t, _ in second.values())
+
+
+def test_tier_tensors_are_the_truncated_svd_of_the_global_model():
+    fed = federation()
+    for tier in (1.0, 0.5, 0.125):
+        expected = refactorize(fed.global_tensors, [fed.tier_spec(tier)])[tier]
+        got = fed.tier_tensors(tier)
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[n], expected[n]) for n in got)
+
+
+def test_mixed_tiers_fold_to_full_rank():
+    fed = federation()
+    plan = fed.plan(1, CLIENTS)
+    for i, cid in enumerate(plan.cohort):
+        fed.fold(update(fed, cid, plan.due, seed=1, tier=(1.0, 0.25)[i % 2]))
+    outcome = fed.close()
+    assert outcome.result.tensors["conv2.coefficients"].shape == fed.spec.tensor("conv2.coefficients").shape
+
+
+def test_state_machine_rejects_misuse():
+    fed = federation()
+    with pytest.raises(RuntimeError, match="no open round"):
+        fed.close()
+    plan = fed.plan(1, CLIENTS)
+    with pytest.raises(RuntimeError, match="still open"):
+        fed.plan(2, CLIENTS)
+    outsider = next(c for c in CLIENTS if c not in plan.cohort)
+    with pytest.raises(ValueError, match="not in round 1's cohort"):
+        fed.fold(update(fed, outsider, plan.due, seed=1))
+    with pytest.raises(ValueError, match="lacks tensors"):
+        Federation(SPEC, FedAvg(), EveryRound(SPEC.full().tensors), CohortSampler(), global_tensors={})

@@ -1,0 +1,214 @@
+"""The in-process simulator end to end: invariants between methods, learning, bandwidth, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedatoms.simulate import SimulationConfig, build_federation, run_simulation
+
+SMALL = dict(dataset="digits", clients=6, fraction=0.5, rounds=4, local_epochs=1, batch_size=16, seed=3)
+
+
+def final_tensors(config: SimulationConfig) -> dict[str, torch.Tensor]:
+    captured: dict[str, torch.Tensor] = {}
+    import fedatoms.simulate as sim
+
+    original = sim.build_federation
+
+    def capture(cfg: SimulationConfig):
+        federation = original(cfg)
+        captured["federation"] = federation  # type: ignore[assignment]
+        return federation
+
+    sim.build_federation = capture  # type: ignore[assignment]
+    try:
+        run_simulation(config)
+    finally:
+        sim.build_federation = original  # type: ignore[assignment]
+    return captured["federation"].global_tensors  # type: ignore[attr-defined]
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_fedlama_with_phi_1_reproduces_every_round():
+    base = final_tensors(SimulationConfig(**SMALL, factorization="atoms"))
+    lama = final_tensors(SimulationConfig(**SMALL, factorization="atoms", interval_policy="fedlama", tau=1, phi=1))
+    assert_same(base, lama)
+
+
+def test_fixed_with_beta_1_reproduces_every_round():
+    base = final_tensors(SimulationConfig(**SMALL, factorization="atoms"))
+    fixed = final_tensors(SimulationConfig(**SMALL, factorization="atoms", interval_policy="fixed", beta=1.0))
+    assert_same(base, fixed)
+
+
+def test_fedhm_at_full_rank_with_infinite_temperature_reproduces_fedavg():
+    fedavg = final_tensors(SimulationConfig(**SMALL, factorization="none"))
+    fedhm = final_tensors(SimulationConfig(**SMALL, factorization="lowrank", tiers=[1.0], weighting="tier-softmax"))
+    assert_same(fedavg, fedhm)
+
+
+def test_scaffold_first_round_with_zero_controls_reproduces_fedavg():
+    one = {**SMALL, "rounds": 1}
+    assert_same(
+        final_tensors(SimulationConfig(**one)),
+        final_tensors(SimulationConfig(**one, strategy="scaffold", global_lr=1.0)),
+    )
+
+
+def test_same_seed_same_run_and_other_seed_differs():
+    cfg = dict(SMALL, factorization="atoms-lowrank", tiers=[1.0, 0.25], interval_policy="fedlama", tau=1, phi=2)
+    a = final_tensors(SimulationConfig(**cfg))
+    b = final_tensors(SimulationConfig(**cfg))
+    assert_same(a, b)
+    c = final_tensors(SimulationConfig(**{**cfg, "seed": 4}))
+    assert any(not torch.equal(a[n], c[n]) for n in a)
+
+
+def test_round_records_have_the_documented_fields_and_bytes_add_up():
+    results = run_simulation(
+        SimulationConfig(
+            **SMALL,
+            factorization="atoms-lowrank",
+            tiers=[1.0, 0.5, 0.25, 0.125],
+            interval_policy="fedlama",
+            tau=1,
+            phi=2,
+            personal_atoms=True,
+        )
+    )
+    assert set(results) == {"config", "rounds", "summary"}
+    cumulative = 0
+    for record in results["rounds"]:
+        for key in (
+            "round",
+            "test_accuracy",
+            "test_loss",
+            "personalized_accuracy",
+            "bytes_up",
+            "bytes_down",
+            "fedavg_equivalent_bytes",
+            "dispersion",
+            "wall_seconds",
+            "tensors",
+            "latent_clients",
+        ):
+            assert key in record, key
+        per_tensor_up = sum(t["bytes_up"] for t in record["tensors"].values())
+        per_tensor_down = sum(t["bytes_down"] for t in record["tensors"].values())
+        assert per_tensor_up == record["bytes_up"]
+        assert per_tensor_down == record["bytes_down"]
+        cumulative += record["bytes_up"] + record["bytes_down"]
+        m = record["reported"]
+        assert record["latent_clients"] == m * m - m
+        due = {n for n, t in record["tensors"].items() if t["due"]}
+        assert all(t["version"] == record["round"] for n, t in record["tensors"].items() if n in due)
+    assert results["summary"]["bytes_total"] == cumulative
+    # the whole model syncs at every multiple of φτ' = 2
+    assert all(t["due"] for t in results["rounds"][1]["tensors"].values())
+    json.dumps(results)  # serializable
+
+
+def test_partial_fetch_moves_only_changed_tensors():
+    """With FedLAMA cohorts, a client that keeps its cohort downloads only what was aggregated."""
+    results = run_simulation(
+        SimulationConfig(**{**SMALL, "rounds": 3}, factorization="atoms", interval_policy="fixed", beta=0.5)
+    )
+    first, second = results["rounds"][0], results["rounds"][1]
+    assert second["bytes_down"] < first["bytes_down"]
+    not_due_in_first = [n for n, t in first["tensors"].items() if not t["due"]]
+    assert not_due_in_first, "the fixed policy leaves coefficients unsynced in round 1"
+    assert all(second["tensors"][n]["bytes_down"] == 0 for n in not_due_in_first)
+
+
+@pytest.mark.slow
+def test_learning_on_digits_fedavg_atoms_and_fedlama():
+    """Issue 3's learning bar: ≥ 80% in 30 rounds; FedLAMA moves fewer bytes within 3 points of FedAvg.
+
+    Accuracy under 2-class shards swings by several points from round to round (and FedLAMA's
+    full syncs fall on even rounds), so "within 3 points" compares the mean of the last five rounds.
+    """
+    common = dict(
+        dataset="digits",
+        clients=20,
+        fraction=0.5,
+        partition="shards",
+        classes_per_client=2,
+        rounds=30,
+        local_epochs=2,
+        batch_size=10,
+        lr=0.02,
+        seed=0,
+    )
+    fedavg = run_simulation(SimulationConfig(**common))["summary"]
+    atoms = run_simulation(SimulationConfig(**common, factorization="atoms"))["summary"]
+    lama = run_simulation(SimulationConfig(**common, interval_policy="fedlama", tau=1, phi=2))["summary"]
+    assert fedavg["final_test_accuracy"] >= 0.80, fedavg
+    assert atoms["final_test_accuracy"] >= 0.80, atoms
+    assert lama["bytes_total"] < fedavg["bytes_total"]
+    assert lama["mean_test_accuracy_last5"] >= fedavg["mean_test_accuracy_last5"] - 0.03, (lama, fedavg)
+
+
+def test_cli_simulate_writes_json_and_config_file(tmp_path: Path):
+    config = tmp_path / "federation.toml"
+    config.write_text('dataset = "digits"\nclients = 6\nfraction = 0.5\nrounds = 2\nfactorization = "atoms"\n')
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedatoms", "simulate", "--config", str(config), "--rounds", "3", "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(out.read_text())
+    assert results["config"]["rounds"] == 3  # the flag wins over the file
+    assert results["config"]["factorization"] == "atoms"
+    assert len(results["rounds"]) == 3
+    assert "global test accuracy" in proc.stdout
+
+
+def test_cli_rejects_unknown_config_keys_with_a_clear_error(tmp_path: Path):
+    config = tmp_path / "bad.toml"
+    config.write_text("rounds = 2\nlearning_rate = 0.1\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedatoms", "simulate", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "learning_rate" in proc.stderr
+
+
+def test_build_federation_rejects_personal_atoms_without_atoms():
+    with pytest.raises(ValueError, match="personal-atoms"):
+        build_federation(SimulationConfig(personal_atoms=True, factorization="none"))
+
+
+def test_cli_plot_draws_a_png_from_results(tmp_path: Path):
+    out = tmp_path / "r.json"
+    from fedatoms.simulate import write_results
+
+    write_results(
+        run_simulation(SimulationConfig(**{**SMALL, "rounds": 2}, factorization="atoms", personal_atoms=True)), out
+    )
+    png = tmp_path / "plot.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedatoms", "plot", str(out), str(out), "-o", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 20_000
