@@ -12,6 +12,7 @@ so client and server cannot disagree on a reshape.
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -244,13 +245,14 @@ class AtomConv2d(nn.Module):
             dilation=conv.dilation,
             bias=conv.bias is not None,
         )
+        layer = layer.to(device=conv.weight.device, dtype=conv.weight.dtype)  # before copying: exact in float64
         coefficients, atoms = atoms_from_filters(conv.weight, num_atoms)
         with torch.no_grad():
             layer.atoms.copy_(atoms)
             layer.coefficients.copy_(coefficients)
             if conv.bias is not None and layer.bias is not None:
                 layer.bias.copy_(conv.bias)
-        return layer.to(device=conv.weight.device, dtype=conv.weight.dtype)
+        return layer
 
     def coefficient_tensor(self) -> Tensor:
         """The full ``(o, i, m)`` coefficients, rebuilt from the factors for low-rank tiers."""
@@ -402,13 +404,7 @@ class LowRankConv2d(nn.Module):
             dilation=conv.dilation,
             bias=conv.bias is not None,
         )
-        u, v = matrix_to_factors(conv_weight_to_matrix(conv.weight), rank)
-        with torch.no_grad():
-            layer.lowrank_u.copy_(u)
-            layer.lowrank_v.copy_(v)
-            if conv.bias is not None and layer.bias is not None:
-                layer.bias.copy_(conv.bias)
-        return layer.to(device=conv.weight.device, dtype=conv.weight.dtype)
+        return _load_factors(layer, conv_weight_to_matrix(conv.weight), conv.bias)
 
     @property
     def weight(self) -> Tensor:
@@ -479,13 +475,7 @@ class LowRankLinear(nn.Module):
     @classmethod
     def from_full(cls, linear: nn.Linear, rank: int) -> LowRankLinear:
         layer = cls(linear.in_features, linear.out_features, rank, bias=linear.bias is not None)
-        u, v = matrix_to_factors(linear.weight, rank)
-        with torch.no_grad():
-            layer.lowrank_u.copy_(u)
-            layer.lowrank_v.copy_(v)
-            if linear.bias is not None and layer.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer.to(device=linear.weight.device, dtype=linear.weight.dtype)
+        return _load_factors(layer, linear.weight, linear.bias)
 
     @property
     def weight(self) -> Tensor:
@@ -509,3 +499,18 @@ class LowRankLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, rank={self.rank}, bias={self.bias is not None}"
+
+
+_Factored = TypeVar("_Factored", LowRankConv2d, LowRankLinear)
+
+
+def _load_factors(layer: _Factored, matrix: Tensor, bias: Tensor | None) -> _Factored:
+    """Spectral initialization of a FedHM layer from a full-rank matrix, on the source's device and dtype."""
+    layer = layer.to(device=matrix.device, dtype=matrix.dtype)  # before copying, so float64 stays exact
+    u, v = matrix_to_factors(matrix, layer.rank)
+    with torch.no_grad():
+        layer.lowrank_u.copy_(u)
+        layer.lowrank_v.copy_(v)
+        if bias is not None and layer.bias is not None:
+            layer.bias.copy_(bias)
+    return layer

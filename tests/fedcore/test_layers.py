@@ -652,3 +652,14 @@ def test_conversion_respects_or_rejects_padding_mode(factory):
         return
     x = torch.randn(1, 3, 6, 6)
     torch.testing.assert_close(layer(x), conv(x), **TOL)
+
+
+def test_float64_conversions_stay_exact_under_a_float32_default():
+    """Converting a float64 layer must not round through the float32 default dtype."""
+    torch.set_default_dtype(torch.float32)
+    conv = nn.Conv2d(3, 4, 3, padding=1).double()
+    assert (AtomConv2d.from_conv(conv, 9).weight - conv.weight).abs().max().item() < 1e-12
+    full_rank = LowRankConv2d.from_full(conv, 9)
+    assert (full_rank.weight - conv.weight).abs().max().item() < 1e-12
+    linear = nn.Linear(6, 5).double()
+    assert (LowRankLinear.from_full(linear, 5).weight - linear.weight).abs().max().item() < 1e-12

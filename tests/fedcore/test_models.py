@@ -25,15 +25,6 @@ FACTORIZED_TYPES = (AtomConv2d, LowRankConv2d, LowRankLinear)
 RESNET18_FULL_RANK_PREFIX = {"conv1", "layer1.0.conv1", "layer1.0.conv2"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """On 2 shared cores MKL's threaded SVD oversubscribes and runs 20× slower; one thread is enough."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def build_on_meta(name: str, factorization: str = "none", rank_ratio: float = 1.0, **kwargs) -> nn.Module:
     """Structure-only build (no values, no SVD initialization)."""
     with torch.device("meta"):

@@ -47,15 +47,6 @@ RESNET18_LOWRANK = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """On 2 shared cores MKL's threaded SVD oversubscribes and runs 20× slower; one thread is enough."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def spec_of(model: str, factorization: str = "none", rank_ratio: float = 1.0, **kwargs) -> ModelSpec:
     return ModelSpec(model, MODELS[model].default_classes, factorization, rank_ratio=rank_ratio, **kwargs)
 

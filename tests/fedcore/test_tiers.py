@@ -24,15 +24,6 @@ SPEC = ModelSpec("lenet-cifar10", 10, "atoms-lowrank")  # fast to derive, strict
 HYP = settings(max_examples=30, deadline=None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """On 2 shared cores MKL's threaded SVD oversubscribes and runs 20× slower; one thread is enough."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def costs() -> dict[float, tuple[int, int]]:
     return tier_costs(SPEC)
 
