@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint venv clean
+.PHONY: demo test bench lint proto venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/layers.py
+	$(PY) benchmarks/aggregation.py
+
+proto: $(STAMP)
+	$(PY) -m fedatoms.protogen
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -99,11 +99,13 @@ class Federation:
         policy: IntervalPolicy,
         sampler: CohortSampler,
         *,
+        tiers: Sequence[float] = (1.0,),
         init_seed: int = 0,
         global_tensors: Mapping[str, Tensor] | None = None,
         fp16: bool = False,
     ) -> None:
         self.spec = spec.full()
+        self.tiers = tuple(sorted({float(t) for t in tiers}, reverse=True))
         self.strategy = strategy
         self.policy = policy
         self.sampler = sampler
@@ -119,7 +121,7 @@ class Federation:
         self.versions: dict[str, int] = dict.fromkeys(self.spec.names, 0)
         self.round = 0
         self.cohort: tuple[str, ...] = ()
-        self._tier_cache: dict[float, tuple[tuple[int, ...], dict[str, Tensor]]] = {}
+        self._tier_cache: tuple[tuple[int, ...], dict[float, dict[str, Tensor]]] = ((), {})
         self._acc: RoundAccumulator | None = None
         self._plan: RoundPlan | None = None
         self._fold_order: list[str] = []
@@ -129,14 +131,17 @@ class Federation:
         return self.spec.at_tier(tier)
 
     def tier_tensors(self, tier: float) -> dict[str, Tensor]:
-        """The global model shaped for ``tier`` (truncated SVD of factorized tensors), cached per version."""
+        """The global model shaped for ``tier`` (truncated SVD of factorized tensors), cached per version.
+
+        All known tiers are factorized together, so each factorized tensor costs one SVD per version.
+        """
         key = tuple(self.versions.values())
-        cached = self._tier_cache.get(tier)
-        if cached is None or cached[0] != key:
-            tensors = refactorize(self.global_tensors, [self.tier_spec(tier)])[tier]
-            self._tier_cache[tier] = (key, tensors)
-            return tensors
-        return cached[1]
+        cached_key, per_tier = self._tier_cache
+        if cached_key != key or tier not in per_tier:
+            tiers = sorted({*self.tiers, float(tier)}, reverse=True)
+            per_tier = refactorize(self.global_tensors, [self.tier_spec(t) for t in tiers])
+            self._tier_cache = (key, per_tier)
+        return per_tier[tier]
 
     def tier_versions(self, tier: float) -> dict[str, int]:
         return {t.name: self.versions[t.full_name or t.name] for t in self.tier_spec(tier).tensors}

@@ -159,6 +159,7 @@ def build_federation(config: SimulationConfig) -> Federation:
         build_strategy(config.strategy, **config.strategy_params()),
         build_policy(config.interval_policy, spec.tensors, **config.policy_params()),
         CohortSampler(config.fraction, config.min_clients, config.cohort, config.seed),
+        tiers=config.tiers,
         init_seed=config.seed,
         fp16=config.fp16,
     )
