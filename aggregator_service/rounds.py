@@ -20,7 +20,6 @@ from torch import Tensor
 from aggregator_service.aggregation import AggregateResult, ClientUpdate, RoundAccumulator, Strategy, refactorize
 from aggregator_service.intervals import IntervalPolicy, discrepancy
 from aggregator_service.metrics import latent_clients
-from fedcore.codec import encoded_size
 from fedcore.spec import ModelSpec
 
 __all__ = ["COHORT_MODES", "CohortSampler", "Federation", "RoundOutcome", "RoundPlan", "derive_seed"]
@@ -156,11 +155,9 @@ class Federation:
         wanted = set(due)
         return tuple(t.name for t in self.tier_spec(tier).tensors if (t.full_name or t.name) in wanted)
 
-    def download_bytes(self, tensors: Mapping[str, tuple[Tensor, int]]) -> dict[str, int]:
-        return {n: encoded_size(tuple(t.shape), _dtype(t), self.fp16) for n, (t, _) in tensors.items()}
-
     # -- the round
     def plan(self, round_: int, candidates: Sequence[str]) -> RoundPlan:
+        """Decide round ``round_``: its cohort (kept within a sync period) and the tensors due."""
         if self._plan is not None:
             raise RuntimeError(f"round {self._plan.round} is still open")
         period = self.policy.sync_period
@@ -168,10 +165,16 @@ class Federation:
         if new_period:
             self.cohort = self.sampler.sample(round_, candidates)
         due = tuple(n for n in self.policy.due(round_) if n not in self.strategy.local_tensors(self.spec))
-        self._plan = RoundPlan(round_, self.cohort, due, continue_unsynced=not new_period)
-        self._acc = self.strategy.begin(self.global_tensors, due)
+        return RoundPlan(round_, self.cohort, due, continue_unsynced=not new_period)
+
+    def begin(self, plan: RoundPlan) -> None:
+        """Open ``plan`` for folding; a restarted service re-begins the plan it had persisted."""
+        if self._plan is not None:
+            raise RuntimeError(f"round {self._plan.round} is still open")
+        self.cohort = plan.cohort
+        self._plan = plan
+        self._acc = self.strategy.begin(self.global_tensors, plan.due)
         self._fold_order = []
-        return self._plan
 
     def fold(self, update: ClientUpdate) -> None:
         if self._plan is None or self._acc is None:
@@ -180,6 +183,19 @@ class Federation:
             raise ValueError(f"client {update.client_id} is not in round {self._plan.round}'s cohort")
         self.strategy.fold(self._acc, update)
         self._fold_order.append(update.client_id)
+
+    def _rounds_of_drift(self, name: str) -> int:
+        """Rounds the folded values trained since their last sync: FedLAMA's τ_l in eq. (2).
+
+        A kept cohort continues unsynced tensors for their whole interval; a cohort resampled every
+        round restarts every tensor from the global value, so its values drifted for one round only.
+        """
+        return self.policy.interval(name) if self.sampler.mode == "period" else 1
+
+    def local_tier_tensors(self, tier: float) -> tuple[str, ...]:
+        """This tier's tensors that never leave the clients (e.g. BN statistics kept local)."""
+        local = self.strategy.local_tensors(self.spec)
+        return tuple(t.name for t in self.tier_spec(tier).tensors if (t.full_name or t.name) in local)
 
     def close(self) -> RoundOutcome:
         if self._plan is None or self._acc is None:
@@ -190,7 +206,7 @@ class Federation:
             self.global_tensors[name] = tensor
             self.versions[name] = plan.round
         d = {
-            n: discrepancy(result.dispersion[n], self.policy.interval(n), self.global_tensors[n].numel())
+            n: discrepancy(result.dispersion[n], self._rounds_of_drift(n), self.global_tensors[n].numel())
             for n in result.dispersion
         }
         self.policy.observe(plan.round, d)
@@ -203,11 +219,8 @@ class Federation:
             result=result,
             discrepancy=d,
             intervals=self.policy.intervals(),
-            latent_clients=latent_clients(result.num_clients),
+            # latent clients exist only where atoms and coefficients were both averaged this round
+            latent_clients=latent_clients(result.num_clients) if result.effective_dispersion else 0,
             reported=result.num_clients,
             fold_order=list(self._fold_order),
         )
-
-
-def _dtype(t: Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")

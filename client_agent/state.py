@@ -21,6 +21,7 @@ class ClientState:
     global_tensors: dict[str, Tensor] = field(default_factory=dict)
     versions: dict[str, int] = field(default_factory=dict)
     unsynced: dict[str, Tensor] = field(default_factory=dict)
+    local: dict[str, Tensor] = field(default_factory=dict)  # never aggregated (e.g. BN statistics kept local)
     personal_atoms: dict[str, Tensor] | None = None
     control: dict[str, Tensor] | None = None
     rounds_joined: int = 0
@@ -31,7 +32,8 @@ class ClientState:
             self.versions[name] = version
 
     def starting_point(self, continue_unsynced: bool) -> dict[str, Tensor]:
-        """Global values, overlaid with this client's unsynced local values when the cohort continues."""
+        """Global values, overlaid with unsynced local values when the cohort continues, and always with
+        the tensors the federation keeps local."""
         if not continue_unsynced:
             self.unsynced.clear()
-        return {**self.global_tensors, **self.unsynced}
+        return {**self.global_tensors, **self.unsynced, **self.local}

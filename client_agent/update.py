@@ -28,6 +28,7 @@ class TrainTask:
     seed: int
     strategy: dict[str, Any] = field(default_factory=dict)
     server_control: dict[str, Tensor] | None = None
+    local: tuple[str, ...] = ()  # tensors that stay on the client for good (never due)
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,9 @@ def run_task(
         client_control=state.control if server_control is not None else None,
         personal_atoms=state.personal_atoms if personal_atoms else None,
     )
-    due = set(task.due)
-    state.unsynced = {n: t for n, t in result.tensors.items() if n not in due}
+    due, local = set(task.due), set(task.local)
+    state.local = {n: t for n, t in result.tensors.items() if n in local}
+    state.unsynced = {n: t for n, t in result.tensors.items() if n not in due and n not in local}
     if result.personal_atoms is not None:
         state.personal_atoms = result.personal_atoms
     if result.control is not None:

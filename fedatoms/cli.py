@@ -64,7 +64,7 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--beta", type=float, help="fixed policy: coefficients every 1/β rounds")
     g.add_argument("--tau", type=int, help="FedLAMA base interval τ' in rounds")
     g.add_argument("--phi", type=int, help="FedLAMA interval factor φ")
-    g.add_argument("--warmup-rounds", type=int, help="FedLAMA: no interval adjustment before this round")
+    g.add_argument("--warmup-rounds", type=int, help="FedLAMA: no interval adjustment at or before this round")
     g.add_argument("--tiers", type=_tiers, help="capability tiers assigned round-robin, e.g. 1,0.5,0.25,0.125")
     g.add_argument("--personal-atoms", action="store_true", default=None, help="keep personal atoms per client")
     g.add_argument("--personal-epochs", type=int)

@@ -12,22 +12,22 @@ import math
 import time
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from aggregator_service.aggregation import ClientUpdate, build_strategy
-from aggregator_service.intervals import build_policy
+from aggregator_service.aggregation import ClientUpdate
+from aggregator_service.config import FederationConfig
 from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
-from aggregator_service.rounds import CohortSampler, Federation, RoundOutcome, derive_seed
+from aggregator_service.rounds import Federation, RoundOutcome, derive_seed
 from client_agent.pool import VirtualClient, make_virtual_clients
 from client_agent.update import TrainTask, run_task
-from fedcore.codec import encoded_size
-from fedcore.data import ArrayDataset, load_dataset
-from fedcore.spec import ModelSpec
-from fedcore.training import TrainConfig, evaluate, personalized_model
+from fedcore.codec import decode, encode
+from fedcore.data import INPUT_SHAPES, NUM_CLASSES, ArrayDataset, load_dataset
+from fedcore.models import model_info
+from fedcore.training import evaluate, personalized_model
 
 __all__ = ["DEFAULT_MODELS", "SimulationConfig", "run_simulation"]
 
@@ -41,45 +41,17 @@ DEFAULT_MODELS = {
 
 
 @dataclass
-class SimulationConfig:
-    """Every knob of a simulated federation; the same keys work as CLI flags and in a TOML file."""
+class SimulationConfig(FederationConfig):
+    """A federation plus its simulated population; the same keys work as CLI flags and in a TOML file."""
 
+    model: str | None = None  # type: ignore[assignment]  # default: DEFAULT_MODELS[dataset]
     dataset: str = "digits"
     data_dir: str | None = None
     download: bool = False
-    model: str | None = None  # default: DEFAULT_MODELS[dataset]
-    factorization: str = "none"
-    num_atoms: int = 9
     clients: int = 20
-    fraction: float = 0.5
-    min_clients: int = 1
-    cohort: str = "period"
     partition: str = "shards"
     classes_per_client: int = 2
     dirichlet_alpha: float = 0.5
-    rounds: int = 20
-    local_epochs: int = 1
-    batch_size: int = 10
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    strategy: str = "fedavg"
-    mu: float = 0.01
-    global_lr: float = 1.0
-    weighting: str = "samples"
-    temperature: float = math.inf
-    keep_local_buffers: bool = False
-    frobenius_decay: float = 0.0
-    interval_policy: str = "every_round"
-    beta: float = 0.2
-    tau: int = 1
-    phi: int = 2
-    warmup_rounds: int = 0
-    tiers: list[float] = field(default_factory=lambda: [1.0])
-    personal_atoms: bool = False
-    personal_epochs: int | None = None
-    fp16: bool = False
-    seed: int = 0
     device: str = "auto"
     transport: str = "inprocess"
     output: str | None = None
@@ -89,13 +61,16 @@ class SimulationConfig:
             if self.dataset not in DEFAULT_MODELS:
                 raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DEFAULT_MODELS)}")
             self.model = DEFAULT_MODELS[self.dataset]
-        if isinstance(self.tiers, str):
-            self.tiers = [float(t) for t in self.tiers.split(",") if t.strip()]
-        self.tiers = [float(t) for t in self.tiers]
-        if self.rounds < 1 or self.clients < 1:
-            raise ValueError("rounds and clients must be ≥ 1")
-        if self.personal_atoms and self.factorization not in ("atoms", "atoms-lowrank"):
-            raise ValueError("--personal-atoms needs --factorization atoms or atoms-lowrank")
+        self.num_classes = NUM_CLASSES.get(self.dataset, self.num_classes)
+        expected = INPUT_SHAPES.get(self.dataset)
+        if expected is not None and model_info(self.model).input_shape != expected:
+            raise ValueError(
+                f"model {self.model!r} takes inputs {model_info(self.model).input_shape}, "
+                f"but {self.dataset} images are {expected}"
+            )
+        if self.clients < 1:
+            raise ValueError("clients must be ≥ 1")
+        super().__post_init__()
 
     @classmethod
     def from_toml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> SimulationConfig:
@@ -108,61 +83,9 @@ class SimulationConfig:
         data.update(overrides or {})
         return cls(**data)
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["temperature"] = "inf" if math.isinf(self.temperature) else self.temperature
-        return d
-
-    @property
-    def spec(self) -> ModelSpec:
-        assert self.model is not None
-        num_classes = {"cifar100": 100}.get(self.dataset, 10)
-        return ModelSpec(self.model, num_classes, self.factorization, self.num_atoms)
-
-    def train_config(self) -> TrainConfig:
-        return TrainConfig(
-            local_epochs=self.local_epochs,
-            batch_size=self.batch_size,
-            lr=self.lr,
-            momentum=self.momentum,
-            weight_decay=self.weight_decay,
-            prox_mu=self.mu if self.strategy == "fedprox" else 0.0,
-            frobenius_decay=self.frobenius_decay,
-            personal_epochs=self.personal_epochs,
-            device=self.device,
-        )
-
-    def strategy_params(self) -> dict[str, Any]:
-        params: dict[str, Any] = {
-            "weighting": self.weighting,
-            "temperature": self.temperature,
-            "keep_local_buffers": self.keep_local_buffers,
-        }
-        if self.strategy == "fedprox":
-            params["mu"] = self.mu
-        if self.strategy == "scaffold":
-            params.update(global_lr=self.global_lr, num_clients_total=self.clients, spec=self.spec.full())
-        return params
-
-    def policy_params(self) -> dict[str, Any]:
-        if self.interval_policy == "fixed":
-            return {"beta": self.beta}
-        if self.interval_policy == "fedlama":
-            return {"tau_base": self.tau, "phi": self.phi, "warmup_rounds": self.warmup_rounds}
-        return {}
-
 
 def build_federation(config: SimulationConfig) -> Federation:
-    spec = config.spec.full()
-    return Federation(
-        spec,
-        build_strategy(config.strategy, **config.strategy_params()),
-        build_policy(config.interval_policy, spec.tensors, **config.policy_params()),
-        CohortSampler(config.fraction, config.min_clients, config.cohort, config.seed),
-        tiers=config.tiers,
-        init_seed=config.seed,
-        fp16=config.fp16,
-    )
+    return config.build_federation(num_clients_total=config.clients)
 
 
 ProgressFn = Callable[[dict[str, Any]], None]
@@ -186,13 +109,14 @@ def run_simulation(config: SimulationConfig, progress: ProgressFn | None = None)
         seed=config.seed,
     )
     by_id = {c.client_id: c for c in clients}
-    train_config = config.train_config()
+    train_config = config.train_config(device=config.device)
     fedavg_bytes_per_client = fedavg_equivalent_bytes(config.spec, 1)
     records: list[dict[str, Any]] = []
     totals = {"bytes_up": 0, "bytes_down": 0, "fedavg_equivalent_bytes": 0}
     for r in range(1, config.rounds + 1):
         t0 = time.perf_counter()
         plan = federation.plan(r, list(by_id))
+        federation.begin(plan)
         down: dict[str, int] = {}
         up: dict[str, int] = {}
         control = federation.strategy.client_config()
@@ -200,10 +124,10 @@ def run_simulation(config: SimulationConfig, progress: ProgressFn | None = None)
         for cid in plan.cohort:  # fixed fold order: sorted client ids
             vc = by_id[cid]
             tier_spec = federation.tier_spec(vc.state.tier)
+            owner = {t.name: t.full_name or t.name for t in tier_spec.tensors}
             fetched = federation.fetch(vc.state.tier, vc.state.versions)
-            for name, nbytes in federation.download_bytes(fetched).items():
-                _add(down, tier_spec.tensor(name).full_name or name, nbytes)
-            vc.state.receive(fetched)
+            received = _send({n: t for n, (t, _) in fetched.items()}, config.fp16, down, owner)
+            vc.state.receive({n: (received[n], v) for n, (_, v) in fetched.items()})
             task = TrainTask(
                 round=r,
                 due=federation.tier_due(vc.state.tier, plan.due),
@@ -211,20 +135,19 @@ def run_simulation(config: SimulationConfig, progress: ProgressFn | None = None)
                 continue_unsynced=plan.continue_unsynced,
                 seed=derive_seed(config.seed, r, cid),
                 strategy=control,
-                server_control=server_control,
+                server_control=None if server_control is None else _send(server_control, config.fp16, down, owner),
+                local=federation.local_tier_tensors(vc.state.tier),
             )
             push = run_task(vc.state, tier_spec, task, vc.train, personal_atoms=config.personal_atoms)
-            for name, t in push.tensors.items():
-                nbytes = encoded_size(tuple(t.shape), str(t.dtype).removeprefix("torch."), config.fp16)
-                _add(up, tier_spec.tensor(name).full_name or name, nbytes)
+            delta = push.control_delta
             federation.fold(
                 ClientUpdate(
                     client_id=cid,
                     num_samples=push.num_samples,
                     tier=vc.state.tier,
                     spec=tier_spec,
-                    tensors=push.tensors,
-                    control_delta=push.control_delta,
+                    tensors=_send(push.tensors, config.fp16, up, owner),
+                    control_delta=None if delta is None else _send(delta, config.fp16, up, owner),
                     metrics=push.metrics,
                 )
             )
@@ -255,9 +178,12 @@ def _round_record(
     full_model.load_state_dict(federation.global_tensors)
     server_eval = evaluate(full_model, test)
     local_acc, personal_acc = [], []
+    models: dict[float, torch.nn.Module] = {}
     for vc in cohort:
-        tier_model = federation.tier_spec(vc.state.tier).build()
-        tier_model.load_state_dict(federation.tier_tensors(vc.state.tier))
+        tier_model = models.get(vc.state.tier) or models.setdefault(
+            vc.state.tier, federation.tier_spec(vc.state.tier).build()
+        )
+        tier_model.load_state_dict({**federation.tier_tensors(vc.state.tier), **vc.state.local})
         local_acc.append(evaluate(tier_model, vc.test).accuracy)
         if vc.state.personal_atoms is not None:
             personal_acc.append(evaluate(personalized_model(tier_model, vc.state.personal_atoms), vc.test).accuracy)
@@ -283,7 +209,10 @@ def _round_record(
         "local_accuracy": sum(local_acc) / len(local_acc) if local_acc else None,
         "bytes_up": sum(up.values()),
         "bytes_down": sum(down.values()),
-        "dispersion": total_dispersion(outcome.result.dispersion),
+        # BN statistics (and step counters) would swamp the weights' dispersion: they are reported per tensor only
+        "dispersion": total_dispersion(
+            {n: v for n, v in outcome.result.dispersion.items() if federation.spec.tensor(n).role != "buffer"}
+        ),
         "effective_dispersion": dict(outcome.result.effective_dispersion),
         "latent_clients": outcome.latent_clients,
         "tensors": tensors,
@@ -293,8 +222,21 @@ def _round_record(
     return record
 
 
-def _add(totals: dict[str, int], name: str, nbytes: int) -> None:
-    totals[name] = totals.get(name, 0) + nbytes
+def _send(
+    tensors: Mapping[str, torch.Tensor], fp16: bool, ledger: dict[str, int], owner: Mapping[str, str]
+) -> dict[str, torch.Tensor]:
+    """The in-process transport: every tensor goes through the wire codec, and its encoded bytes are
+    counted toward the full-rank tensor it belongs to (a factor pair counts toward what it rebuilds)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        encoded = encode(tensor, fp16=fp16, name=name)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        out[name] = torch.from_numpy(
+            decode(name, encoded.dtype, encoded.shape, encoded.data, expected_shape=encoded.shape, expected_dtype=dtype)
+        )
+        full = owner.get(name, name)
+        ledger[full] = ledger.get(full, 0) + encoded.nbytes
+    return out
 
 
 def _summary(records: list[dict[str, Any]], totals: Mapping[str, int], seconds: float) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import torch
 __all__ = [
     "DATASETS",
     "DEFAULT_DATA_DIR",
+    "INPUT_SHAPES",
     "NUM_CLASSES",
     "SCHEMES",
     "ArrayDataset",
@@ -34,6 +35,13 @@ __all__ = [
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
 NUM_CLASSES: dict[str, int] = {"digits": 10, "mnist": 10, "fashion-mnist": 10, "cifar10": 10, "cifar100": 100}
+INPUT_SHAPES: dict[str, tuple[int, int, int]] = {
+    "digits": (1, 8, 8),
+    "mnist": (1, 28, 28),
+    "fashion-mnist": (1, 28, 28),
+    "cifar10": (3, 32, 32),
+    "cifar100": (3, 32, 32),
+}
 SCHEMES = ("iid", "shards", "dirichlet")
 
 # Where torchvision datasets live when no data_dir is given; FEDATOMS_DATA_DIR overrides it.

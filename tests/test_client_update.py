@@ -53,3 +53,19 @@ def test_personal_atoms_start_from_global_and_persist():
     assert evaluation.personalized_accuracy is not None and 0 <= evaluation.personalized_accuracy <= 1
     assert evaluation.num_samples == 50
     assert state.rounds_joined == 1
+
+
+def test_local_tensors_survive_every_round_and_are_never_pushed():
+    """Tensors the federation keeps local (BN statistics with --keep-local-buffers) persist on the client."""
+    train, _ = load_dataset("digits")
+    data = train.subset(range(64))
+    state = fresh_state()
+    local = ("conv1.bias",)
+    due = tuple(n for n in SPEC.names if n not in local)
+    t = TrainTask(1, due, TrainConfig(local_epochs=1, batch_size=32, lr=0.01), False, seed=1, local=local)
+    push = run_task(state, SPEC, t, data)
+    assert "conv1.bias" not in push.tensors
+    trained = state.local["conv1.bias"]
+    assert not torch.equal(trained, state.global_tensors["conv1.bias"])
+    for continue_unsynced in (False, True):
+        assert torch.equal(state.starting_point(continue_unsynced)["conv1.bias"], trained)

@@ -109,8 +109,8 @@ def test_round_records_have_the_documented_fields_and_bytes_add_up():
         assert per_tensor_up == record["bytes_up"]
         assert per_tensor_down == record["bytes_down"]
         cumulative += record["bytes_up"] + record["bytes_down"]
-        m = record["reported"]
-        assert record["latent_clients"] == m * m - m
+        m = record["reported"]  # latent clients only where atoms and coefficients were both averaged
+        assert record["latent_clients"] == (m * m - m if record["effective_dispersion"] else 0)
         due = {n for n, t in record["tensors"].items() if t["due"]}
         assert all(t["version"] == record["round"] for n, t in record["tensors"].items() if n in due)
     assert results["summary"]["bytes_total"] == cumulative
@@ -212,3 +212,34 @@ def test_cli_plot_draws_a_png_from_results(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 20_000
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(tiers=[1.0, 0.5]), "tiers below 1 need"),
+        (dict(tiers=[1.0, 0.5], factorization="lowrank", strategy="scaffold"), "SCAFFOLD"),
+        (dict(temperature=5.0), "tier-softmax"),
+        (dict(interval_policy="fixed"), "fixed policy"),
+        (dict(tiers=[0.3], factorization="lowrank"), "tiers must be among"),
+        (dict(model="lenet-cifar10"), "takes inputs"),
+    ],
+)
+def test_conflicting_settings_are_rejected_before_anything_runs(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        SimulationConfig(**overrides)
+
+
+def test_fp16_transport_quantizes_what_travels_and_halves_the_bytes():
+    base = dict(SMALL, rounds=2, factorization="atoms")
+    fp32 = run_simulation(SimulationConfig(**base))
+    fp16 = run_simulation(SimulationConfig(**base, fp16=True))
+    assert fp16["summary"]["bytes_total"] * 2 == fp32["summary"]["bytes_total"]
+    assert fp16["rounds"][-1]["test_loss"] != fp32["rounds"][-1]["test_loss"]  # values really went through fp16
+
+
+def test_scaffold_traffic_counts_controls_both_ways():
+    base = dict(SMALL, rounds=2)
+    fedavg = run_simulation(SimulationConfig(**base))["summary"]
+    scaffold = run_simulation(SimulationConfig(**base, strategy="scaffold"))["summary"]
+    assert scaffold["bytes_down"] > fedavg["bytes_down"] and scaffold["bytes_up"] > fedavg["bytes_up"]

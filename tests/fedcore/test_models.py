@@ -353,3 +353,8 @@ def test_lenet_parameter_counts():
     assert num_parameters(build_on_meta("lenet-cifar10")) == 307_842
     # CIFAR-100: 4,864 + 204,928 + 819,456 + 32,896 + 12,900
     assert num_parameters(build_on_meta("lenet-cifar100")) == 1_075_044
+
+
+def test_mnist_cnn_is_mcmahans_size():
+    """McMahan et al.'s CNN ('same' 5×5 convs, 512-unit FC) has 1,663,370 parameters."""
+    assert sum(p.numel() for p in build_model("mnist-cnn", 10).parameters()) == 1_663_370
