@@ -1,0 +1,172 @@
+"""Engines, sessions and schema migrations for the store.
+
+SQLite (the default, one file next to the operator) and PostgreSQL (production, several
+replicas) get the settings each needs:
+
+* **SQLite**: WAL journal (readers never block the writer), ``foreign_keys=ON`` (SQLite
+  ignores foreign keys otherwise, and ``ON DELETE CASCADE`` relies on them), a busy timeout
+  so concurrent writers wait instead of failing, ``check_same_thread=False`` for the gRPC
+  thread pool. pysqlite's own transaction handling is turned off and every transaction
+  starts with ``BEGIN IMMEDIATE`` (SQLAlchemy's documented workaround): SAVEPOINTs then work,
+  and a transaction that reads and then writes cannot fail with ``SQLITE_BUSY`` half-way
+  because another connection wrote in between — writers queue on the busy timeout instead.
+  ``synchronous`` stays at SQLite's default (FULL), so an acknowledged update survives a
+  power cut, not only a crash.
+* **PostgreSQL**: ``pool_pre_ping`` so connections dropped by a database restart or a proxy
+  are replaced transparently.
+
+Migrations are Alembic revisions under ``migrations/`` run programmatically by
+:func:`upgrade`; no ``alembic.ini`` is needed at run time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import StaticPool
+
+__all__ = [
+    "MIGRATIONS_DIR",
+    "alembic_config",
+    "create_engine_for",
+    "current_revision",
+    "downgrade",
+    "head_revision",
+    "session_factory",
+    "upgrade",
+]
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+# pg_advisory_xact_lock key held while migrating, so replicas starting together upgrade one at a time.
+_MIGRATION_LOCK_KEY = 0x6665_6461_746D  # "fedatm"
+
+
+def create_engine_for(
+    url: str | URL,
+    *,
+    sqlite_busy_timeout_ms: int = 30_000,
+    sqlite_begin: Literal["IMMEDIATE", "DEFERRED", "EXCLUSIVE"] = "IMMEDIATE",
+    **kwargs: Any,
+) -> Engine:
+    """An engine configured for the store's backend; extra ``kwargs`` go to :func:`sqlalchemy.create_engine`.
+
+    ``sqlite_begin`` chooses how SQLite transactions start: ``IMMEDIATE`` (the default)
+    takes the write lock at ``BEGIN``, which serializes this engine's transactions but makes
+    every read-then-write transaction safe; a read-only consumer such as the dashboard may
+    pass ``DEFERRED`` so its reads never wait for the aggregator's writes.
+    """
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        return _sqlite_engine(u, sqlite_busy_timeout_ms, sqlite_begin, kwargs)
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_engine(u, **kwargs)
+
+
+def _sqlite_engine(u: URL, busy_timeout_ms: int, begin: str, kwargs: dict[str, Any]) -> Engine:
+    if begin not in ("IMMEDIATE", "DEFERRED", "EXCLUSIVE"):
+        raise ValueError(f"sqlite_begin must be IMMEDIATE, DEFERRED or EXCLUSIVE, got {begin!r}")
+    if busy_timeout_ms < 0:
+        raise ValueError(f"sqlite_busy_timeout_ms must be ≥ 0, got {busy_timeout_ms}")
+    connect_args = dict(kwargs.pop("connect_args", {}))
+    connect_args.setdefault("check_same_thread", False)
+    if u.database in (None, "", ":memory:"):
+        kwargs.setdefault("poolclass", StaticPool)  # one connection, or every checkout sees a new empty database
+    engine = create_engine(u, connect_args=connect_args, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # pysqlite emits no BEGIN/COMMIT of its own; we do
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql(f"BEGIN {begin}")
+
+    return engine
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    """Sessions for units of work: ``with factory.begin() as session: …`` commits or rolls back as a whole.
+
+    ``expire_on_commit=False`` keeps loaded rows readable after the commit (the servicer
+    builds replies from them after the transaction ended).
+    """
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+# --------------------------------------------------------------------------- migrations
+
+
+def alembic_config(url: str | URL | None = None) -> Config:
+    """An Alembic configuration for the packaged migrations, built in code (no ini file)."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    # New revisions are named "<rev id>.py", with rev ids like "0002_add_x" (see README.md).
+    cfg.set_main_option("file_template", "%%(rev)s")
+    if url is not None:
+        # configparser interpolates '%', which URL-encoded passwords and options contain.
+        rendered = url if isinstance(url, str) else url.render_as_string(hide_password=False)
+        cfg.set_main_option("sqlalchemy.url", rendered.replace("%", "%%"))
+    return cfg
+
+
+def _run_with_connection(url: str | Engine, fn: Any) -> Any:
+    engine = url if isinstance(url, Engine) else create_engine_for(url)
+    try:
+        with engine.begin() as conn:
+            cfg = alembic_config(url if isinstance(url, str) else engine.url)
+            cfg.attributes["connection"] = conn
+            if conn.dialect.name == "postgresql":
+                conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_KEY})")
+            return fn(cfg, conn)
+    finally:
+        if not isinstance(url, Engine):
+            engine.dispose()
+
+
+def upgrade(url: str | Engine, revision: str = "head") -> None:
+    """Migrate the database at ``url`` (or behind ``engine``) to ``revision``; a no-op when already there.
+
+    All pending revisions run in one transaction (DDL is transactional on both backends), so
+    a failed migration leaves the schema as it was.
+    """
+    _run_with_connection(url, lambda cfg, _conn: command.upgrade(cfg, revision))
+
+
+def downgrade(url: str | Engine, revision: str) -> None:
+    """Migrate down to ``revision`` (``"base"`` drops every table the migrations created)."""
+    _run_with_connection(url, lambda cfg, _conn: command.downgrade(cfg, revision))
+
+
+def current_revision(url: str | Engine) -> str | None:
+    """The revision the database is at, or ``None`` for a database never migrated."""
+    engine = url if isinstance(url, Engine) else create_engine_for(url)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        if not isinstance(url, Engine):
+            engine.dispose()
+
+
+def head_revision() -> str:
+    """The newest revision shipped with this package."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    if head is None:
+        raise RuntimeError(f"no migrations found in {MIGRATIONS_DIR}")
+    return head

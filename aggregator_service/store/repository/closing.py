@@ -1,0 +1,215 @@
+"""Bandwidth accounting and :func:`close_round`: everything a round's close writes, in one transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.orm import Session
+
+from ..models import TRANSFER_DIRECTIONS, Client, Federation, Round, RoundMetrics, TensorMetric, Transfer
+from ._common import _attached, _count, _finite, _json, _now, _upsert
+from .rounds import _open, delete_round_updates, reported_clients
+from .tensors import SERVER_CONTROL, _set_intervals, save_global_tensors, save_strategy_tensors, tensor_versions
+
+__all__ = ["ROUND_METRIC_FIELDS", "TENSOR_METRIC_FIELDS", "close_round", "record_transfer", "round_transfers"]
+
+ROUND_METRIC_FIELDS = frozenset(
+    {
+        "test_accuracy",
+        "test_loss",
+        "mean_client_accuracy",
+        "personalized_accuracy",
+        "dispersion",
+        "latent_clients",
+        "bytes_up",
+        "bytes_down",
+        "fedavg_equivalent_bytes",
+        "duration_seconds",
+        "extra",
+    }
+)
+TENSOR_METRIC_FIELDS = frozenset(
+    {"name", "ordinal", "role", "d_l", "dispersion", "interval", "bytes_down", "bytes_up", "version"}
+)
+_TRANSFER_FIELDS = frozenset({"client_id", "direction", "bytes"})
+
+
+# --------------------------------------------------------------------------- transfers
+
+
+def record_transfer(session: Session, fed: Federation, round: int, client_id: str, direction: str, nbytes: int) -> None:
+    """Add ``nbytes`` to the client's transfer row for (round, direction) and to its lifetime counters.
+
+    An atomic ``INSERT … ON CONFLICT DO UPDATE SET bytes = bytes + …``, so replicas serving
+    fetches at the same time never lose an increment. Call it as bytes move (FetchModel,
+    PushUpdate), or pass the round's totals to :func:`close_round`.
+    """
+    if direction not in TRANSFER_DIRECTIONS:
+        raise ValueError(f"direction must be 'down' or 'up', got {direction!r}")
+    nbytes = _count(nbytes, "bytes")
+    ins = _upsert(session)(Transfer).values(
+        federation_id=fed.id, round=round, client_id=client_id, direction=direction, bytes=nbytes
+    )
+    session.execute(
+        ins.on_conflict_do_update(
+            index_elements=["federation_id", "round", "client_id", "direction"],
+            set_={"bytes": Transfer.bytes + ins.excluded.bytes},
+        )
+    )
+    column = Client.bytes_down if direction == "down" else Client.bytes_up
+    session.execute(update(Client).where(Client.id == client_id).values({column: column + nbytes}))
+
+
+def round_transfers(session: Session, fed: Federation, round: int) -> list[Transfer]:
+    return list(
+        session.scalars(
+            select(Transfer)
+            .where(Transfer.federation_id == fed.id, Transfer.round == round)
+            .order_by(Transfer.client_id, Transfer.direction)
+        )
+    )
+
+
+# --------------------------------------------------------------------------- closing a round
+
+
+def _check_round_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = set(metrics) - ROUND_METRIC_FIELDS
+    if unknown:
+        raise ValueError(f"unknown round metrics {sorted(unknown)}; known: {sorted(ROUND_METRIC_FIELDS)}")
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if key == "extra":
+            out[key] = _json(value, "round_metrics['extra']")
+        elif key in ("latent_clients", "bytes_up", "bytes_down", "fedavg_equivalent_bytes"):
+            out[key] = None if value is None else _count(value, key)
+        else:
+            out[key] = _finite(value, key)
+    return out
+
+
+def _check_tensor_metrics(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for i, row in enumerate(rows):
+        unknown = set(row) - TENSOR_METRIC_FIELDS
+        if unknown or "name" not in row:
+            raise ValueError(f"tensor_metrics[{i}]: needs 'name', unknown keys {sorted(unknown)}")
+        clean: dict[str, Any] = {"ordinal": i, **row}
+        for key in ("d_l", "dispersion"):
+            if key in clean:
+                clean[key] = _finite(clean[key], f"tensor_metrics[{i}].{key}")
+        for key in ("bytes_down", "bytes_up"):
+            if key in clean:
+                clean[key] = _count(clean[key], f"tensor_metrics[{i}].{key}")
+        out.append(clean)
+    return out
+
+
+def _check_transfers(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], int]:
+    totals: dict[tuple[str, str], int] = {}
+    for i, row in enumerate(rows):
+        if set(row) != _TRANSFER_FIELDS:
+            raise ValueError(f"transfers[{i}] must have exactly the keys {sorted(_TRANSFER_FIELDS)}, got {sorted(row)}")
+        if row["direction"] not in TRANSFER_DIRECTIONS:
+            raise ValueError(f"transfers[{i}]: direction must be 'down' or 'up', got {row['direction']!r}")
+        key = (str(row["client_id"]), str(row["direction"]))
+        totals[key] = totals.get(key, 0) + _count(row["bytes"], f"transfers[{i}].bytes")
+    return totals
+
+
+def close_round(
+    session: Session,
+    fed: Federation,
+    round_number: int,
+    *,
+    new_tensors: Mapping[str, tuple[Any, int, int]],
+    intervals: Mapping[str, int],
+    round_metrics: Mapping[str, Any],
+    tensor_metrics: Sequence[Mapping[str, Any]],
+    transfers: Sequence[Mapping[str, Any]],
+    strategy_state: Mapping[str, Any],
+    policy_state: Mapping[str, Any],
+    strategy_tensors: Mapping[str, Any],
+    next_round: int | None,
+    strategy_tensor_kind: str = SERVER_CONTROL,
+    now: datetime | None = None,
+) -> Round:
+    """Write everything a round's close produced, in the caller's transaction; commit or roll back as one.
+
+    In order: new global tensors (name → (array, version, interval)); ``intervals`` (name →
+    τ in force from the next round; every name must be a global tensor); strategy tensors;
+    the round's reporting counts (``reported``, ``stragglers``, each reporter's
+    ``rounds_joined``); deletion of the consumed updates; the round marked closed; one
+    ``round_metrics`` row (keys from :data:`ROUND_METRIC_FIELDS`; ``duration_seconds``
+    defaults to close − open, ``bytes_up``/``bytes_down`` to the round's transfer totals);
+    ``tensor_metrics`` rows (keys from :data:`TENSOR_METRIC_FIELDS`, ``ordinal`` defaults to
+    the list position); ``transfers`` (dicts ``client_id``, ``direction``, ``bytes``, added
+    to what :func:`record_transfer` already counted); the engine's JSON state and
+    ``current_round = next_round`` — or, with ``next_round=None``, the federation marked done.
+
+    Inputs are validated before the first write; a failure after it (a constraint, a crash)
+    leaves the caller's transaction to roll back, and with it every write above.
+    """
+    # -- validate everything that can be validated without writing
+    metrics_row = _check_round_metrics(round_metrics)
+    tm_rows = _check_tensor_metrics(tensor_metrics)
+    transfer_totals = _check_transfers(transfers)
+    _json(dict(strategy_state), "strategy_state")
+    _json(dict(policy_state), "policy_state")
+    if next_round is not None and next_round <= round_number:
+        raise ValueError(f"next_round {next_round} must come after round {round_number}")
+    known = set(tensor_versions(session, fed)) | set(new_tensors)
+    unknown = sorted(set(intervals) - known)
+    if unknown:
+        raise ValueError(f"intervals for tensors that are not global tensors: {unknown[:5]}")
+    clean_intervals = {n: _count(t, f"interval of {n!r}", 1) for n, t in intervals.items()}
+    t = _now(now)
+    row = _attached(session, fed)
+    rnd = _open(session, row, round_number)
+
+    # -- the global model and the strategy's tensors
+    save_global_tensors(session, row, new_tensors)
+    _set_intervals(session, row, clean_intervals)
+    save_strategy_tensors(session, row, strategy_tensors, kind=strategy_tensor_kind)
+
+    # -- who reported; consume their updates
+    reporters = reported_clients(session, row, round_number)
+    if reporters:
+        session.execute(update(Client).where(Client.id.in_(reporters)).values(rounds_joined=Client.rounds_joined + 1))
+    delete_round_updates(session, row, round_number)
+    rnd.reported = len(reporters)
+    rnd.stragglers = len(set(rnd.cohort) - set(reporters))
+    rnd.state = "closed"
+    rnd.closed_at = t
+    session.flush()
+
+    # -- bandwidth, then the metrics that summarize it
+    for (client_id, direction), nbytes in transfer_totals.items():
+        record_transfer(session, row, round_number, client_id, direction, nbytes)
+    totals = dict(
+        session.execute(
+            select(Transfer.direction, func.sum(Transfer.bytes))
+            .where(Transfer.federation_id == row.id, Transfer.round == round_number)
+            .group_by(Transfer.direction)
+        ).all()
+    )
+    metrics_row.setdefault("bytes_up", int(totals.get("up") or 0))
+    metrics_row.setdefault("bytes_down", int(totals.get("down") or 0))
+    metrics_row.setdefault("duration_seconds", (t - rnd.opened_at).total_seconds())
+    session.add(RoundMetrics(federation_id=row.id, round=round_number, **metrics_row))
+    session.flush()
+    if tm_rows:
+        session.execute(insert(TensorMetric), [{"federation_id": row.id, "round": round_number, **r} for r in tm_rows])
+
+    # -- the engine's state, and what comes next
+    row.strategy_state = dict(strategy_state)
+    row.policy_state = dict(policy_state)
+    if next_round is None:
+        row.state = "done"
+    else:
+        row.current_round = next_round
+    session.flush()
+    return rnd

@@ -1,0 +1,145 @@
+"""Evaluations reported by clients, and the reads behind the dashboard."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from ..models import Client, Evaluation, Federation, Round, RoundMetrics, TensorMetric
+from ._common import NotFound, _count, _finite, _now, _page, _upsert
+from .rounds import get_round
+
+__all__ = [
+    "evaluation_summary",
+    "list_rounds",
+    "record_evaluation",
+    "round_evaluations",
+    "round_tensor_metrics",
+    "tensor_metric_history",
+]
+
+
+# --------------------------------------------------------------------------- evaluations
+
+
+def record_evaluation(
+    session: Session,
+    fed: Federation,
+    round: int,
+    client_id: str,
+    *,
+    global_accuracy: float | None,
+    global_loss: float | None,
+    personalized_accuracy: float | None = None,
+    num_samples: int = 0,
+    now: datetime | None = None,
+) -> Evaluation:
+    """Record (or replace: the last report wins) a client's evaluation after ``round``.
+
+    Also sets the client's ``last_accuracy`` (personalized accuracy when given, else global).
+    """
+    if get_round(session, fed, round) is None:
+        raise NotFound(f"federation {fed.name!r} has no round {round}")
+    values = {
+        "global_accuracy": _finite(global_accuracy, "global_accuracy"),
+        "global_loss": _finite(global_loss, "global_loss"),
+        "personalized_accuracy": _finite(personalized_accuracy, "personalized_accuracy"),
+        "num_samples": _count(num_samples, "num_samples"),
+        "reported_at": _now(now),
+    }
+    ins = _upsert(session)(Evaluation).values(federation_id=fed.id, round=round, client_id=client_id, **values)
+    session.execute(
+        ins.on_conflict_do_update(
+            index_elements=["federation_id", "round", "client_id"],
+            set_={k: getattr(ins.excluded, k) for k in values},
+        )
+    )
+    accuracy = (
+        values["personalized_accuracy"] if values["personalized_accuracy"] is not None else values["global_accuracy"]
+    )
+    if accuracy is not None:
+        session.execute(update(Client).where(Client.id == client_id).values(last_accuracy=accuracy))
+    evaluation = session.scalar(
+        select(Evaluation)
+        .where(Evaluation.federation_id == fed.id, Evaluation.round == round, Evaluation.client_id == client_id)
+        .execution_options(populate_existing=True)
+    )
+    assert evaluation is not None
+    return evaluation
+
+
+def round_evaluations(session: Session, fed: Federation, round: int) -> list[Evaluation]:
+    return list(
+        session.scalars(
+            select(Evaluation)
+            .where(Evaluation.federation_id == fed.id, Evaluation.round == round)
+            .order_by(Evaluation.client_id)
+        )
+    )
+
+
+def evaluation_summary(session: Session, fed: Federation, round: int) -> dict[str, float | int | None]:
+    """Sample-weighted means of the round's evaluations (unweighted where no client gave ``num_samples``)."""
+    evals = round_evaluations(session, fed, round)
+
+    def mean(attr: str) -> float | None:
+        pairs = [(getattr(e, attr), e.num_samples) for e in evals if getattr(e, attr) is not None]
+        if not pairs:
+            return None
+        weight = sum(n for _, n in pairs)
+        if weight == 0:
+            return sum(v for v, _ in pairs) / len(pairs)
+        return sum(v * n for v, n in pairs) / weight
+
+    return {
+        "clients": len(evals),
+        "mean_client_accuracy": mean("global_accuracy"),
+        "mean_client_loss": mean("global_loss"),
+        "personalized_accuracy": mean("personalized_accuracy"),
+    }
+
+
+# --------------------------------------------------------------------------- dashboard reads
+
+
+def list_rounds(
+    session: Session, fed: Federation, offset: int = 0, limit: int = 100, *, newest_first: bool = False
+) -> list[tuple[Round, RoundMetrics | None]]:
+    """Rounds with their metrics (``None`` while open or when abandoned), by number."""
+    offset, limit = _page(offset, limit)
+    order = Round.number.desc() if newest_first else Round.number
+    rows = session.execute(
+        select(Round, RoundMetrics)
+        .outerjoin(
+            RoundMetrics, (RoundMetrics.federation_id == Round.federation_id) & (RoundMetrics.round == Round.number)
+        )
+        .where(Round.federation_id == fed.id)
+        .order_by(order)
+        .offset(offset)
+        .limit(limit)
+    )
+    return [(r, m) for r, m in rows]
+
+
+def round_tensor_metrics(session: Session, fed: Federation, round: int) -> list[TensorMetric]:
+    """The round's per-tensor metrics in model order."""
+    return list(
+        session.scalars(
+            select(TensorMetric)
+            .where(TensorMetric.federation_id == fed.id, TensorMetric.round == round)
+            .order_by(TensorMetric.ordinal, TensorMetric.name)
+        )
+    )
+
+
+def tensor_metric_history(session: Session, fed: Federation, name: str) -> list[TensorMetric]:
+    """One tensor's metrics over the rounds (its interval and d_l history)."""
+    return list(
+        session.scalars(
+            select(TensorMetric)
+            .where(TensorMetric.federation_id == fed.id, TensorMetric.name == name)
+            .order_by(TensorMetric.round)
+        )
+    )

@@ -1,0 +1,306 @@
+"""Rounds (open, lock, extend, abandon) and the client updates stored for them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+from sqlalchemy import delete, func, insert, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from ..models import Federation, Round, Update, UpdateTensor
+from ._common import (
+    NotFound,
+    NotInCohort,
+    RoundStateError,
+    UpdateConflict,
+    _attached,
+    _aware,
+    _count,
+    _decode,
+    _encode,
+    _finite,
+    _now,
+)
+
+__all__ = [
+    "abandon_round",
+    "count_updates",
+    "delete_round_updates",
+    "extend_round",
+    "get_open_round",
+    "get_round",
+    "iter_round_updates",
+    "lock_round",
+    "open_round",
+    "reported_clients",
+    "store_update",
+]
+
+
+# --------------------------------------------------------------------------- rounds
+
+
+def open_round(
+    session: Session,
+    fed: Federation,
+    number: int,
+    cohort: Sequence[str],
+    due: Sequence[str],
+    continue_unsynced: bool,
+    deadline: datetime,
+    *,
+    now: datetime | None = None,
+) -> Round:
+    """Open round ``number`` (greater than every earlier round); the federation's ``current_round`` follows.
+
+    Raises :class:`RoundStateError` when a round is already open or ``number`` is not new; the
+    partial unique index ``uq_rounds_one_open`` enforces the first across replicas as well.
+    """
+    number = _count(number, "round number", 1)
+    if not cohort:
+        raise ValueError(f"round {number}: the cohort is empty")
+    row = _attached(session, fed)
+    if row.state != "running":
+        raise RoundStateError(f"federation {row.name!r} is {row.state}, not running: no round can open")
+    current = get_open_round(session, row)
+    if current is not None:
+        raise RoundStateError(f"round {current.number} is still open; close or abandon it first")
+    last = session.scalar(select(func.max(Round.number)).where(Round.federation_id == row.id))
+    if last is not None and number <= last:
+        raise RoundStateError(f"round {number} is not new: rounds up to {last} exist")
+    rnd = Round(
+        federation_id=row.id,
+        number=number,
+        state="open",
+        cohort=[str(c) for c in cohort],
+        due=[str(d) for d in due],
+        continue_unsynced=bool(continue_unsynced),
+        deadline=_aware(deadline, "deadline"),
+        extended=False,
+        opened_at=_now(now),
+        reported=0,
+        stragglers=0,
+    )
+    session.add(rnd)
+    row.current_round = number
+    session.flush()
+    return rnd
+
+
+def get_round(session: Session, fed: Federation, number: int) -> Round | None:
+    return session.get(Round, (fed.id, number))
+
+
+def get_open_round(session: Session, fed: Federation) -> Round | None:
+    return session.scalar(select(Round).where(Round.federation_id == fed.id, Round.state == "open"))
+
+
+def lock_round(session: Session, fed: Federation, number: int, *, shared: bool = False) -> Round:
+    """Round ``number`` under a row lock until the transaction ends (``FOR UPDATE``, or ``FOR SHARE``).
+
+    The coordinator calls it before reading the round's updates; :func:`close_round` calls it
+    again (a no-op then). SQLite has no row locks: ``BEGIN IMMEDIATE`` already serializes.
+    """
+    rnd = session.scalar(
+        select(Round)
+        .where(Round.federation_id == fed.id, Round.number == number)
+        .with_for_update(read=shared)
+        .execution_options(populate_existing=True)
+    )
+    if rnd is None:
+        raise NotFound(f"federation {fed.name!r} has no round {number}")
+    return rnd
+
+
+def _open(session: Session, fed: Federation, number: int, *, shared: bool = False) -> Round:
+    rnd = lock_round(session, fed, number, shared=shared)
+    if rnd.state != "open":
+        raise RoundStateError(f"round {number} is {rnd.state}")
+    return rnd
+
+
+def extend_round(session: Session, fed: Federation, number: int, deadline: datetime) -> Round:
+    """Move an open round's deadline (e.g. quorum not met yet) and mark it extended."""
+    rnd = _open(session, fed, number)
+    rnd.deadline = _aware(deadline, "deadline")
+    rnd.extended = True
+    session.flush()
+    return rnd
+
+
+def abandon_round(session: Session, fed: Federation, number: int, *, now: datetime | None = None) -> Round:
+    """Give up an open round (no quorum by the final deadline): its updates are deleted, nothing is aggregated."""
+    rnd = _open(session, fed, number)
+    reporters = reported_clients(session, fed, number)
+    rnd.reported = len(reporters)
+    rnd.stragglers = len(set(rnd.cohort) - set(reporters))
+    delete_round_updates(session, fed, number)
+    rnd.state = "abandoned"
+    rnd.closed_at = _now(now)
+    session.flush()
+    return rnd
+
+
+# --------------------------------------------------------------------------- updates
+
+
+def _existing_update(session: Session, fed: Federation, update_id: str) -> Update | None:
+    return session.scalar(select(Update).where(Update.federation_id == fed.id, Update.update_id == update_id))
+
+
+def _duplicate_or_conflict(
+    session: Session, fed: Federation, round: int, client_id: str, update_id: str
+) -> tuple[Update, bool] | None:
+    existing = _existing_update(session, fed, update_id)
+    if existing is not None:
+        if existing.client_id != client_id or existing.round != round:
+            raise UpdateConflict(f"update_id {update_id!r} was already used for another client or round")
+        return existing, True
+    other = session.scalar(
+        select(Update.update_id).where(
+            Update.federation_id == fed.id, Update.round == round, Update.client_id == client_id
+        )
+    )
+    if other is not None:
+        raise UpdateConflict(
+            f"client {client_id} already pushed update {other!r} for round {round}; one update per round"
+        )
+    return None
+
+
+def store_update(
+    session: Session,
+    fed: Federation,
+    round: int,
+    client_id: str,
+    update_id: str,
+    num_samples: int,
+    metrics: Mapping[str, float],
+    tensors: Mapping[str, Any],
+    control_delta: Mapping[str, Any] | None = None,
+    *,
+    now: datetime | None = None,
+) -> tuple[Update, bool]:
+    """Store one client's update for an open round; ``(update, duplicate)``.
+
+    Idempotent on ``update_id``: a retry returns the stored update with ``duplicate=True`` and
+    writes nothing (also when two copies race: the loser's unique-constraint violation is
+    rolled back to a SAVEPOINT and the winner's row returned). The acknowledgement may be sent
+    once the caller's transaction has committed.
+
+    Raises :class:`RoundStateError` (round not open), :class:`NotFound` (no such round),
+    :class:`NotInCohort`, :class:`UpdateConflict` (a different update of this client for this
+    round, or an update_id of another client), :class:`~fedcore.codec.CodecError` (NaN/Inf,
+    unsupported dtype) and :class:`ValueError` (bad counts or metrics). Names and shapes are
+    the caller's to validate against the client's tier spec.
+    """
+    if not update_id or len(update_id) > 128:
+        raise ValueError(f"update_id must have 1 to 128 characters, got {len(update_id or '')}")
+    num_samples = _count(num_samples, "num_samples", 1)
+    clean_metrics = {str(k): _finite(v, f"metric {k!r}") for k, v in metrics.items()}
+
+    found = _duplicate_or_conflict(session, fed, round, client_id, update_id)
+    if found is not None:
+        return found
+    rnd = _open(session, fed, round, shared=True)  # FOR SHARE: a concurrent close waits for this push
+    if client_id not in rnd.cohort:
+        raise NotInCohort(f"client {client_id} is not in round {round}'s cohort")
+
+    rows = [("model", n, _encode(n, a)) for n, a in tensors.items()]
+    rows += [("control_delta", n, _encode(n, a)) for n, a in (control_delta or {}).items()]
+    upd = Update(
+        federation_id=fed.id,
+        round=round,
+        client_id=client_id,
+        update_id=update_id,
+        num_samples=num_samples,
+        metrics=clean_metrics,
+        received_at=_now(now),
+    )
+    try:
+        with session.begin_nested():
+            session.add(upd)
+            session.flush()
+            if rows:
+                session.execute(
+                    insert(UpdateTensor),
+                    [
+                        {
+                            "update_pk": upd.id,
+                            "kind": kind,
+                            "name": name,
+                            "dtype": enc.dtype,
+                            "shape": list(enc.shape),
+                            "data": enc.data,
+                        }
+                        for kind, name, enc in rows
+                    ],
+                )
+    except IntegrityError:
+        # Another transaction stored the same update_id (or this client's update) in between.
+        found = _duplicate_or_conflict(session, fed, round, client_id, update_id)
+        if found is None:
+            raise
+        return found
+    return upd, False
+
+
+def iter_round_updates(
+    session: Session, fed: Federation, round: int
+) -> Iterator[tuple[Update, dict[str, np.ndarray], dict[str, np.ndarray] | None]]:
+    """The round's updates one at a time, by client id: ``(header, tensors, control_delta or None)``.
+
+    Only the ids are read up front; each update's blobs are fetched when it is reached, so
+    memory stays O(one update) however many clients reported.
+    """
+    ids = session.scalars(
+        select(Update.id).where(Update.federation_id == fed.id, Update.round == round).order_by(Update.client_id)
+    ).all()
+    for pk in ids:
+        header = session.get(Update, pk)
+        if header is None:  # deleted meanwhile (only possible without the round lock)
+            continue
+        model: dict[str, np.ndarray] = {}
+        deltas: dict[str, np.ndarray] = {}
+        rows = session.execute(
+            select(UpdateTensor.kind, UpdateTensor.name, UpdateTensor.dtype, UpdateTensor.shape, UpdateTensor.data)
+            .where(UpdateTensor.update_pk == pk)
+            .order_by(UpdateTensor.kind, UpdateTensor.name)
+        )
+        for kind, name, dtype, shape, data in rows:
+            (model if kind == "model" else deltas)[name] = _decode(name, dtype, shape, data)
+        yield header, model, (deltas or None)
+
+
+def count_updates(session: Session, fed: Federation, round: int) -> int:
+    q = select(func.count()).select_from(Update).where(Update.federation_id == fed.id, Update.round == round)
+    return int(session.scalar(q) or 0)
+
+
+def reported_clients(session: Session, fed: Federation, round: int) -> list[str]:
+    """Ids of the clients with a stored update for ``round``, sorted."""
+    return list(
+        session.scalars(
+            select(Update.client_id)
+            .where(Update.federation_id == fed.id, Update.round == round)
+            .order_by(Update.client_id)
+        )
+    )
+
+
+def delete_round_updates(session: Session, fed: Federation, round: int) -> int:
+    """Delete a round's updates and their tensors; returns how many updates went."""
+    ids = select(Update.id).where(Update.federation_id == fed.id, Update.round == round)
+    session.execute(
+        delete(UpdateTensor).where(UpdateTensor.update_pk.in_(ids)).execution_options(synchronize_session=False)
+    )
+    result = session.execute(
+        delete(Update)
+        .where(Update.federation_id == fed.id, Update.round == round)
+        .execution_options(synchronize_session="fetch")
+    )
+    return int(result.rowcount or 0)  # type: ignore[attr-defined]

@@ -1,0 +1,122 @@
+"""Migrations: from empty to head, idempotent, in agreement with the models; SQLite's connection settings."""
+
+from __future__ import annotations
+
+import sqlite3
+from contextlib import closing
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import func, inspect, select
+from sqlalchemy.exc import OperationalError
+
+from aggregator_service import store
+
+TABLES = {
+    "federations",
+    "clients",
+    "rounds",
+    "global_tensors",
+    "strategy_tensors",
+    "updates",
+    "update_tensors",
+    "round_metrics",
+    "tensor_metrics",
+    "transfers",
+    "evaluations",
+}
+
+
+def _tables(url: str) -> set[str]:
+    engine = store.create_engine_for(url)
+    try:
+        return set(inspect(engine).get_table_names()) - {"alembic_version"}
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_creates_every_table_and_is_idempotent(db_url):
+    assert store.current_revision(db_url) is None
+    assert _tables(db_url) == set()
+
+    store.upgrade(db_url)
+    assert _tables(db_url) == TABLES == set(store.Base.metadata.tables)
+    assert store.current_revision(db_url) == store.head_revision() == "0001_initial"
+
+    store.upgrade(db_url)  # a second start-up migrates nothing and fails nothing
+    assert store.current_revision(db_url) == "0001_initial"
+    assert _tables(db_url) == TABLES
+
+
+def test_migrations_match_the_models(db):
+    """Alembic's autogenerate finds nothing to add: the explicit revision and the ORM describe one schema."""
+    with db.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), store.Base.metadata)
+    assert diff == []
+
+
+def test_downgrade_to_base_and_back(db_url):
+    store.upgrade(db_url)
+    store.downgrade(db_url, "base")
+    assert _tables(db_url) == set()
+    assert store.current_revision(db_url) is None
+    store.upgrade(db_url)
+    assert _tables(db_url) == TABLES
+
+
+def test_indexes_for_the_dashboard(db):
+    insp = inspect(db.engine)
+    index_columns = {tuple(ix["column_names"]) for t in TABLES for ix in insp.get_indexes(t)}
+    assert ("federation_id", "last_seen") in index_columns  # clients by federation + last seen
+    assert insp.get_pk_constraint("rounds")["constrained_columns"] == ["federation_id", "number"]
+    assert insp.get_pk_constraint("tensor_metrics")["constrained_columns"][:2] == ["federation_id", "round"]
+    assert ("federation_id", "update_id") in index_columns
+
+
+def test_sqlite_connection_settings(tmp_path):
+    url = f"sqlite:///{tmp_path / 'settings.db'}"
+    store.upgrade(url)
+    engine = store.create_engine_for(url)
+    try:
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30_000
+    finally:
+        engine.dispose()
+    # WAL is recorded in the file itself: a plain connection, without the engine's pragmas, sees it too
+    with closing(sqlite3.connect(tmp_path / "settings.db")) as raw:
+        assert raw.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+
+
+def test_sqlite_deferred_readers_do_not_wait_for_the_writer(tmp_path):
+    """The aggregator's engine begins IMMEDIATE (writers queue); a dashboard engine may begin DEFERRED and read
+    under WAL while a write transaction is open."""
+    url = f"sqlite:///{tmp_path / 'rw.db'}"
+    store.upgrade(url)
+    writer = store.create_engine_for(url)
+    reader = store.create_engine_for(url, sqlite_begin="DEFERRED", sqlite_busy_timeout_ms=50)
+    impatient_writer = store.create_engine_for(url, sqlite_busy_timeout_ms=50)
+    try:
+        with store.session_factory(writer).begin() as s:
+            store.create_federation(s, "f", {}, "x", iterations=1_000)
+            with store.session_factory(reader)() as r:
+                assert store.get_federation(r, "f") is None  # not committed yet, and no waiting
+            with pytest.raises(OperationalError, match="locked"):
+                with store.session_factory(impatient_writer)() as w:
+                    store.get_federation(w, "f")  # BEGIN IMMEDIATE waits for the write lock, then gives up
+        with store.session_factory(reader)() as r:
+            assert store.get_federation(r, "f") is not None
+    finally:
+        for e in (writer, reader, impatient_writer):
+            e.dispose()
+
+
+def test_sqlite_foreign_keys_cascade(db, world):
+    """foreign_keys=ON is what makes ON DELETE CASCADE work on SQLite (PostgreSQL always enforces it)."""
+    with db.factory.begin() as s:
+        s.delete(s.get(store.Federation, world.fed.id))
+    with db.factory() as s:
+        assert s.scalar(select(func.count()).select_from(store.Client)) == 0
+        assert s.scalar(select(func.count()).select_from(store.Round)) == 0

@@ -1,0 +1,235 @@
+"""Client updates: idempotent on update_id (retries, races), one per client and round, read back one at a time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from sqlalchemy import event, insert, select
+
+from aggregator_service import store
+from fedcore.codec import CodecError
+
+
+def _tensors(value: float) -> dict[str, np.ndarray]:
+    return {"w": np.full((3, 2), value, np.float32), "n": np.array([int(value)], np.int64)}
+
+
+def _push(db, world, client: str, update_id: str, value: float, **kw):
+    with db.factory.begin() as s:
+        upd, dup = store.store_update(
+            s, world.fed, 1, client, update_id, 10, {"loss": value}, _tensors(value), kw.pop("control", None), **kw
+        )
+        return upd.id, dup
+
+
+def _stored(db, world):
+    with db.factory() as s:
+        return [(h.client_id, h.update_id, t, c) for h, t, c in store.iter_round_updates(s, world.fed, 1)]
+
+
+def test_duplicate_update_id_is_acknowledged_and_writes_nothing(db, world):
+    a = world.clients[0]
+    pk, dup = _push(db, world, a, "u-1", 1.0)
+    assert not dup
+    pk2, dup2 = _push(db, world, a, "u-1", 9.0)  # a retry; its payload is ignored
+    assert dup2 and pk2 == pk
+    stored = _stored(db, world)
+    assert len(stored) == 1
+    np.testing.assert_array_equal(stored[0][2]["w"], np.full((3, 2), 1.0, np.float32))
+    with db.factory() as s:
+        assert store.count_updates(s, world.fed, 1) == 1
+        assert s.scalar(select(store.Update.metrics).where(store.Update.id == pk)) == {"loss": 1.0}
+
+
+def test_duplicate_in_the_same_transaction(db, world):
+    with db.factory.begin() as s:
+        first, dup1 = store.store_update(s, world.fed, 1, world.clients[0], "u", 1, {}, _tensors(1))
+        second, dup2 = store.store_update(s, world.fed, 1, world.clients[0], "u", 1, {}, _tensors(2))
+        assert (dup1, dup2) == (False, True) and first is second
+
+
+def test_race_path_unique_violation_rolls_back_to_savepoint(db, world):
+    """Another transaction's copy lands between the duplicate check and the insert (injected right there)."""
+    a = world.clients[0]
+    injected: list[int] = []
+
+    def competitor(conn, cursor, statement, parameters, context, executemany):
+        if injected or not statement.startswith("SAVEPOINT"):
+            return
+        injected.append(0)
+        pk = conn.execute(
+            insert(store.Update.__table__).values(
+                federation_id=world.fed.id,
+                round=1,
+                client_id=a,
+                update_id="u-race",
+                num_samples=5,
+                metrics_json={},
+                received_at=world.t0,
+            )
+        ).inserted_primary_key[0]
+        conn.execute(
+            insert(store.UpdateTensor.__table__).values(
+                update_pk=pk, kind="model", name="w", dtype="float32", shape_json=[1], data=b"\x00\x00\x80\x3f"
+            )
+        )
+        injected[0] = pk
+
+    event.listen(db.engine, "before_cursor_execute", competitor)
+    try:
+        pk, dup = _push(db, world, a, "u-race", 7.0)
+    finally:
+        event.remove(db.engine, "before_cursor_execute", competitor)
+    assert injected and pk == injected[0] and dup
+    stored = _stored(db, world)
+    assert len(stored) == 1
+    assert stored[0][2] == {"w": np.array([1.0], np.float32)}  # the winner's tensors, not this call's
+
+
+def test_concurrent_duplicate_pushes_from_two_engines(db, world):
+    """Two replicas store the same update_id at once: one row, one acknowledgement as new, one as duplicate.
+
+    On PostgreSQL the second insert waits on the first's uncommitted unique key and then fails,
+    exercising the SAVEPOINT path for real; SQLite serializes the two at BEGIN IMMEDIATE.
+    """
+    a = world.clients[0]
+    other = store.session_factory(db.new_engine())
+    savepoint_rollbacks: list[str] = []
+    event.listen(
+        other.kw["bind"],
+        "before_cursor_execute",
+        lambda conn, cur, stmt, *rest: savepoint_rollbacks.append(stmt) if stmt.startswith("ROLLBACK TO") else None,
+    )
+    inserted = threading.Event()
+    results: dict[str, bool] = {}
+
+    def first() -> None:
+        with db.factory.begin() as s:
+            results["first"] = store.store_update(s, world.fed, 1, a, "u-c", 3, {}, _tensors(1))[1]
+            inserted.set()
+            time.sleep(0.3)  # hold the transaction open while the other replica inserts
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert inserted.wait(10)
+    with other.begin() as s:
+        results["second"] = store.store_update(s, world.fed, 1, a, "u-c", 3, {}, _tensors(2))[1]
+    t.join()
+    assert results == {"first": False, "second": True}
+    assert len(_stored(db, world)) == 1
+    if db.backend == "postgresql":
+        assert savepoint_rollbacks, "the unique-violation path was not taken"
+
+
+def test_one_update_per_client_and_round(db, world):
+    a, b, _ = world.clients
+    _push(db, world, a, "u-a", 1.0)
+    with db.factory.begin() as s:
+        with pytest.raises(store.UpdateConflict, match="already pushed"):
+            store.store_update(s, world.fed, 1, a, "u-a2", 1, {}, _tensors(2))
+        with pytest.raises(store.UpdateConflict, match="another client"):
+            store.store_update(s, world.fed, 1, b, "u-a", 1, {}, _tensors(2))
+
+
+def test_refusals_leave_nothing_behind(db, world):
+    a = world.clients[0]
+    with db.factory.begin() as s:
+        outsider, _ = store.register_client(s, world.fed, {}, 1.0)
+    with db.factory.begin() as s:
+        with pytest.raises(store.NotInCohort):
+            store.store_update(s, world.fed, 1, outsider.id, "x1", 1, {}, _tensors(1))
+        with pytest.raises(store.NotFound):
+            store.store_update(s, world.fed, 2, a, "x2", 1, {}, _tensors(1))
+        with pytest.raises(CodecError, match="NaN"):
+            store.store_update(s, world.fed, 1, a, "x3", 1, {}, {"w": np.array([np.nan], np.float32)})
+        with pytest.raises(ValueError, match="metric"):
+            store.store_update(s, world.fed, 1, a, "x4", 1, {"loss": float("inf")}, _tensors(1))
+        with pytest.raises(ValueError, match="num_samples"):
+            store.store_update(s, world.fed, 1, a, "x5", 0, {}, _tensors(1))
+    assert _stored(db, world) == []
+    with db.factory.begin() as s:
+        store.abandon_round(s, world.fed, 1)
+    with db.factory.begin() as s:
+        with pytest.raises(store.RoundStateError, match="abandoned"):
+            store.store_update(s, world.fed, 1, a, "x6", 1, {}, _tensors(1))
+
+
+def test_iter_round_updates_in_client_order_one_at_a_time(db, world):
+    control = {"w": np.full((3, 2), -1.0, np.float32)}
+    for i, cid in enumerate(reversed(world.clients)):  # arrival order is the reverse of id order
+        _push(db, world, cid, f"u-{i}", float(i), control=control if i == 0 else None)
+
+    blob_reads: list[str] = []
+
+    def count(conn, cursor, statement, *rest):
+        if "FROM update_tensors" in statement:
+            blob_reads.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", count)
+    try:
+        with db.factory() as s:
+            it = store.iter_round_updates(s, world.fed, 1)
+            header, tensors, deltas = next(it)
+            assert len(blob_reads) == 1  # only the first update's tensors were read
+            assert header.client_id == world.clients[0]
+            rest = list(it)
+    finally:
+        event.remove(db.engine, "before_cursor_execute", count)
+    assert len(blob_reads) == 3
+    order = [header.client_id] + [h.client_id for h, _, _ in rest]
+    assert order == world.clients
+    everything = [(header, tensors, deltas), *rest]
+    by_client = {h.client_id: (t, c) for h, t, c in everything}
+    last = world.clients[-1]  # pushed first (i = 0), with the control delta
+    np.testing.assert_array_equal(by_client[last][1]["w"], control["w"])
+    assert all(by_client[c][1] is None for c in world.clients[:-1])
+    assert all(set(t) == {"w", "n"} for t, _ in by_client.values())
+    assert by_client[world.clients[0]][0]["n"].dtype == np.int64
+    with db.factory() as s:
+        assert store.reported_clients(s, world.fed, 1) == world.clients
+
+
+def test_push_racing_a_close_is_refused_not_lost(db, world):
+    """The coordinator holds the round lock while it aggregates; a push arriving then waits and is refused."""
+    a, b, _ = world.clients
+    _push(db, world, a, "u-a", 1.0)
+    locked = threading.Event()
+    outcome: dict[str, object] = {}
+
+    def coordinator() -> None:
+        with db.factory.begin() as s:
+            store.lock_round(s, world.fed, 1)
+            outcome["consumed"] = [h.client_id for h, _, _ in store.iter_round_updates(s, world.fed, 1)]
+            locked.set()
+            time.sleep(0.3)
+            store.close_round(
+                s,
+                world.fed,
+                1,
+                new_tensors={},
+                intervals={},
+                round_metrics={},
+                tensor_metrics=[],
+                transfers=[],
+                strategy_state={},
+                policy_state={},
+                strategy_tensors={},
+                next_round=2,
+            )
+
+    t = threading.Thread(target=coordinator)
+    t.start()
+    assert locked.wait(10)
+    late = store.session_factory(db.new_engine())
+    with pytest.raises(store.RoundStateError, match="closed"):
+        with late.begin() as s:
+            store.store_update(s, world.fed, 1, b, "u-b", 1, {}, _tensors(2))
+    t.join()
+    assert outcome["consumed"] == [a]
+    with db.factory() as s:
+        rnd = store.get_round(s, world.fed, 1)
+        assert rnd is not None and (rnd.state, rnd.reported, rnd.stragglers) == ("closed", 1, 2)
+        assert store.count_updates(s, world.fed, 1) == 0
