@@ -44,8 +44,7 @@ import torch
 from torch import Tensor
 
 from aggregator_service.metrics import effective_dispersion, effective_filters
-from fedcore.layers import coefficients_to_matrix, conv_weight_to_matrix
-from fedcore.spec import ModelSpec
+from fedcore.spec import ModelSpec, factored_matrix
 
 __all__ = [
     "STRATEGIES",
@@ -146,22 +145,64 @@ class WeightedMean:
 
     Uses West's weighted form of Welford's update, per tensor::
 
-        W ← W + w;   δ = x − u;   u ← u + (w/W)·δ;   M2 ← M2 + w·⟨δ, x − u⟩
+        W' = W + w;   δ = x − u;   u ← u + (w/W')·δ;   M2 ← M2 + w·(W/W')·‖δ‖²
 
-    so ``mean()`` is ``Σ w_k x_k / Σ w_k`` and ``dispersion()`` is ``M2/W = Σ p_k ‖x_k − u‖²``
+    (``w·(W/W')·‖δ‖²`` is West's ``w·⟨δ, x − u_new⟩``, since ``x − u_new = (W/W')·δ``), so
+    ``mean()`` is ``Σ w_k x_k / Σ w_k`` and ``dispersion()`` is ``M2/W = Σ p_k ‖x_k − u‖²``
     without keeping the clients' tensors or cancelling large sums. Each tensor has its own
     weight sum, so an update may omit tensors. Integer and bool tensors are averaged in
     float and rounded back in :meth:`mean`; results take the dtype of each tensor's first
     contribution.
+
+    Memory is the float64 running means plus one scratch buffer of at most :attr:`CHUNK`
+    elements (and no larger than the largest tensor): ``δ`` is formed chunk by chunk in that
+    buffer, converting the incoming tensor to float64 once, so folding allocates nothing per
+    contribution and each chunk stays in cache between the subtraction, the mean update and
+    the dot product.
     """
+
+    CHUNK: ClassVar[int] = 1 << 18  # elements of the float64 scratch buffer (2 MiB)
 
     def __init__(self) -> None:
         self._mean: dict[str, Tensor] = {}
         self._m2: dict[str, float] = {}
         self._weight: dict[str, float] = {}
         self._dtype: dict[str, torch.dtype] = {}
+        self._scratch: Tensor | None = None
         self.total_weight = 0.0
         self.count = 0
+
+    def _buffer(self, like: Tensor, numel: int) -> Tensor:
+        """A float64 scratch of ``numel ≤ CHUNK`` elements on ``like``'s device, reused across calls."""
+        scratch = self._scratch
+        if scratch is None or scratch.device != like.device or scratch.numel() < numel:
+            size = numel if scratch is None else max(numel, min(2 * scratch.numel(), self.CHUNK))
+            scratch = self._scratch = torch.empty(size, dtype=torch.float64, device=like.device)
+        return scratch[:numel]
+
+    def _fold(self, mean: Tensor, x: Tensor, weight: float, old_weight: float, total: float) -> float:
+        """``mean += (w/W')·(x − mean)`` in place; returns ``w·(W/W')·‖x − mean_old‖²``."""
+        flat_mean, flat_x = mean.view(-1), x.reshape(-1)
+        numel = flat_mean.numel()
+        alpha = weight / total
+        convert = flat_x.dtype != torch.float64
+        chunk = self.CHUNK
+        squares = 0.0
+        for start in range(0, numel, chunk):
+            u, v = (
+                (flat_mean, flat_x)
+                if numel <= chunk
+                else (flat_mean[start : start + chunk], flat_x[start : start + chunk])
+            )
+            delta = self._buffer(u, u.numel())
+            if convert:
+                delta.copy_(v)  # the one conversion to float64
+                delta.sub_(u)
+            else:
+                torch.sub(v, u, out=delta)
+            u.add_(delta, alpha=alpha)
+            squares += float(torch.dot(delta, delta))
+        return weight * (old_weight / total) * squares
 
     def add(self, tensors: Mapping[str, Tensor], weight: float) -> None:
         """Fold one contribution (e.g. one client's aligned tensors) with ``weight > 0``."""
@@ -173,18 +214,17 @@ class WeightedMean:
             if known is not None and tuple(tensor.shape) != tuple(known.shape):
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, earlier ones {tuple(known.shape)}")
         for name, tensor in tensors.items():
-            x = tensor.detach().to(torch.float64)
-            if name not in self._mean:
-                self._mean[name] = x.clone()
+            x = tensor.detach()
+            mean = self._mean.get(name)
+            if mean is None:
+                self._mean[name] = torch.empty(x.shape, dtype=torch.float64, device=x.device).copy_(x)
                 self._m2[name] = 0.0
                 self._weight[name] = weight
                 self._dtype[name] = tensor.dtype
                 continue
-            mean = self._mean[name]
-            total = self._weight[name] + weight
-            delta = x - mean
-            mean.add_(delta, alpha=weight / total)
-            self._m2[name] += weight * float(torch.sum(delta * (x - mean)))
+            old_weight = self._weight[name]
+            total = old_weight + weight
+            self._m2[name] += self._fold(mean, x, weight, old_weight, total)
             self._weight[name] = total
         self.total_weight += weight
         self.count += 1
@@ -259,6 +299,7 @@ class RoundAccumulator:
     filters: WeightedMean = field(default_factory=WeightedMean)
     weights: list[float] = field(default_factory=list)
     client_ids: list[str] = field(default_factory=list)
+    reported: set[str] = field(default_factory=set)  # O(1) duplicate check in fold
     metric_sums: dict[str, float] = field(default_factory=dict)
     metric_weights: dict[str, float] = field(default_factory=dict)
 
@@ -373,7 +414,7 @@ class FedAvg(Strategy):
         return out
 
     def fold(self, acc: RoundAccumulator, update: ClientUpdate) -> None:
-        if update.client_id in acc.client_ids:
+        if update.client_id in acc.reported:
             raise ValueError(f"client {update.client_id} was already folded into this round")
         aligned = self._aligned(acc, update)
         weight = client_weight(update, self.weighting, self.temperature)
@@ -381,6 +422,7 @@ class FedAvg(Strategy):
         acc.filters.add(effective_filters(aligned), weight)
         acc.weights.append(weight)
         acc.client_ids.append(update.client_id)
+        acc.reported.add(update.client_id)
         for key, value in update.metrics.items():
             acc.metric_sums[key] = acc.metric_sums.get(key, 0.0) + update.num_samples * float(value)
             acc.metric_weights[key] = acc.metric_weights.get(key, 0.0) + update.num_samples
@@ -588,14 +630,6 @@ def build_strategy(name: str, **params: Any) -> Strategy:
 # --------------------------------------------------------------------------- re-factorization
 
 
-def _as_matrix(full: Tensor) -> Tensor:
-    if full.dim() == 4:
-        return conv_weight_to_matrix(full)
-    if full.dim() == 3:
-        return coefficients_to_matrix(full)
-    return full
-
-
 def refactorize(
     global_tensors: Mapping[str, Tensor], tier_specs: Sequence[ModelSpec]
 ) -> dict[float, dict[str, Tensor]]:
@@ -616,7 +650,7 @@ def refactorize(
             elif t.role.endswith("_u"):
                 full = global_tensors[t.full_name]
                 if t.full_name not in svds:
-                    matrix = _as_matrix(full).detach().to(torch.float64)
+                    matrix = factored_matrix(full).detach().to(torch.float64)
                     svds[t.full_name] = torch.linalg.svd(matrix, full_matrices=False)
                 u_, s, vh = svds[t.full_name]
                 rank = t.shape[1]

@@ -7,9 +7,16 @@ so a setting tried in simulation means the same thing in production.
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import tomllib
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from aggregator_service.aggregation import build_strategy
 from aggregator_service.intervals import build_policy
@@ -18,7 +25,10 @@ from fedcore.spec import ModelSpec
 from fedcore.tiers import TIERS
 from fedcore.training import TrainConfig
 
-__all__ = ["FederationConfig"]
+__all__ = ["DEMO_ENROLLMENT_SECRET", "AggregatorSettings", "FederationConfig", "is_loopback"]
+
+#: The default enrollment secret: for local demos only, never for a federation reachable by others.
+DEMO_ENROLLMENT_SECRET = "fedatoms-demo"
 
 
 @dataclass
@@ -139,3 +149,121 @@ class FederationConfig:
             init_seed=self.seed,
             fp16=self.fp16,
         )
+
+
+# --------------------------------------------------------------------------- the aggregator service
+
+_TOML_PATH: ContextVar[Path | None] = ContextVar("_TOML_PATH", default=None)
+_LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
+
+
+def _split_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"listen must be HOST:PORT (e.g. 127.0.0.1:50051 or [::]:50051), got {listen!r}")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(listen: str) -> bool:
+    """Whether ``HOST:PORT`` only accepts connections from this machine."""
+    host, _ = _split_listen(listen)
+    if host.lower() in _LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class AggregatorSettings(BaseSettings):
+    """How one aggregator process runs: where it listens, its database, security, round timing and the method.
+
+    Sources, strongest first: explicit keyword arguments (CLI flags), ``FEDATOMS_*`` environment variables
+    (nested with ``__``, e.g. ``FEDATOMS_FEDERATION__ROUNDS=50``), the TOML file given to :meth:`from_toml`
+    (service keys at the top level, the method in a ``[federation]`` table), then the defaults, which run a
+    demo federation on ``127.0.0.1:50051`` with ``sqlite:///fedatoms.db`` and nothing to configure.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="FEDATOMS_", env_nested_delimiter="__", extra="forbid")
+
+    listen: str = "127.0.0.1:50051"
+    database_url: str = "sqlite:///fedatoms.db"
+    federation_name: str = "default"
+    #: Shared secret clients present to Register. The default is for local demos only: set your own.
+    enrollment_secret: str = DEMO_ENROLLMENT_SECRET
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    #: CA bundle that signs client certificates; when set, clients must present one (mutual TLS).
+    tls_client_ca: Path | None = None
+    #: Serve without TLS on a non-loopback address. Unset: allowed only on loopback addresses.
+    allow_insecure: bool | None = None
+    #: Fraction of the cohort that must have reported for a round to close at its deadline.
+    quorum: float = Field(default=0.5, gt=0.0, le=1.0)
+    deadline_seconds: float = Field(default=300.0, gt=0.0)
+    #: A client counts as online while its last call is fresher than this.
+    heartbeat_timeout_seconds: float = Field(default=60.0, gt=0.0)
+    #: Largest PushUpdate payload accepted; unset: 2 × the full model's float32 bytes.
+    max_push_bytes: int | None = Field(default=None, gt=0)
+    #: Server-side test set evaluated after every round (e.g. "digits"); unset: no server evaluation.
+    eval_dataset: str | None = None
+    eval_data_dir: str | None = None
+    federation: FederationConfig = Field(default_factory=FederationConfig)
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        _split_listen(value)
+        return value
+
+    @model_validator(mode="after")
+    def _check_security(self) -> AggregatorSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: set both (TLS) or neither (insecure)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key as well")
+        if self.tls_cert is None and not is_loopback(self.listen) and self.allow_insecure is not True:
+            raise ValueError(
+                f"refusing to serve without TLS on {self.listen}, which is not a loopback address: bearer tokens "
+                "would travel in clear text. Set tls_cert and tls_key (FEDATOMS_TLS_CERT / FEDATOMS_TLS_KEY), "
+                "listen on 127.0.0.1, or set allow_insecure = true for a trusted network"
+            )
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    @property
+    def push_limit(self) -> int:
+        """Bytes one PushUpdate may carry (``max_push_bytes`` or its default)."""
+        if self.max_push_bytes is not None:
+            return self.max_push_bytes
+        return 2 * sum(t.numel * 4 for t in self.federation.spec.tensors)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = _TOML_PATH.get()
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> AggregatorSettings:
+        """Settings from a TOML file, under ``FEDATOMS_*`` variables and ``overrides`` (``None`` values skipped)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"configuration file {path} does not exist")
+        tomllib.loads(path.read_text())  # a syntax error names the file here, not deep inside pydantic
+        token = _TOML_PATH.set(path)
+        try:
+            return cls(**{k: v for k, v in overrides.items() if v is not None})
+        finally:
+            _TOML_PATH.reset(token)

@@ -181,6 +181,89 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(args: argparse.Namespace) -> Any:
+    from aggregator_service.config import AggregatorSettings
+
+    overrides = {"listen": getattr(args, "listen", None), "database_url": args.database_url}
+    if getattr(args, "config", None) is not None:
+        return AggregatorSettings.from_toml(args.config, **overrides)
+    return AggregatorSettings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def cmd_aggregator_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from aggregator_service.server import serve
+
+    try:
+        settings = _settings(args)
+    except ValidationError as exc:
+        raise ValueError(f"invalid aggregator settings: {exc}") from exc
+    return serve(settings)
+
+
+def _database_url(args: argparse.Namespace) -> str:
+    return str(_settings(args).database_url)
+
+
+def cmd_aggregator_revoke(args: argparse.Namespace) -> int:
+    from aggregator_service.export import revoke
+
+    revoke(_database_url(args), args.client)
+    print(f"client {args.client} revoked: its next call answers UNAUTHENTICATED")
+    return 0
+
+
+def cmd_aggregator_export(args: argparse.Namespace) -> int:
+    from aggregator_service.export import export_global_model
+
+    settings = _settings(args)
+    path = export_global_model(settings.database_url, args.round, args.output, settings.federation_name)
+    print(f"global model after round {args.round} written to {path}")
+    return 0
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from aggregator_service import store
+
+    url = _database_url(args)
+    store.upgrade(url)
+    print(f"{url}: schema at {store.head_revision()}")
+    return 0
+
+
+def _add_aggregator_commands(sub: Any) -> None:
+    db_help = "database URL [FEDATOMS_DATABASE_URL, else sqlite:///fedatoms.db]"
+    agg = sub.add_parser("aggregator", help="run and administer the gRPC aggregator")
+    agg_sub = agg.add_subparsers(dest="aggregator_command", required=True)
+
+    serve = agg_sub.add_parser("serve", help="serve a federation over gRPC (defaults: 127.0.0.1:50051, a demo)")
+    serve.add_argument("--config", type=Path, help="TOML file: service keys, and the method under [federation]")
+    serve.add_argument("--listen", help="HOST:PORT to listen on [127.0.0.1:50051]")
+    serve.add_argument("--database-url", help=db_help)
+    serve.set_defaults(func=cmd_aggregator_serve)
+
+    revoke = agg_sub.add_parser("revoke", help="revoke a client's token (works while the server runs)")
+    revoke.add_argument("client", help="client id, as shown in the server log and the dashboard")
+    revoke.add_argument("--config", type=Path, help="the server's TOML file (for its database_url)")
+    revoke.add_argument("--database-url", help=db_help)
+    revoke.set_defaults(func=cmd_aggregator_revoke)
+
+    export = agg_sub.add_parser("export", help="write the global model of the last closed round as safetensors")
+    export.add_argument("--round", type=int, required=True, help="the last closed round (the model it produced)")
+    export.add_argument("output", help="OUT.safetensors")
+    export.add_argument("--config", type=Path, help="the server's TOML file (database_url, federation_name)")
+    export.add_argument("--database-url", help=db_help)
+    export.set_defaults(func=cmd_aggregator_export)
+
+    db = sub.add_parser("db", help="database maintenance")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    upgrade = db_sub.add_parser("upgrade", help="migrate the database to the newest schema")
+    upgrade.add_argument("--config", type=Path, help="the server's TOML file (for its database_url)")
+    upgrade.add_argument("--database-url", help=db_help)
+    upgrade.set_defaults(func=cmd_db_upgrade)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedatoms",
@@ -203,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--output-dir", default="demo-output")
     demo.set_defaults(func=cmd_demo)
+
+    _add_aggregator_commands(sub)
     return parser
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "ModelSpec",
     "TensorSpec",
     "count_macs",
+    "factored_matrix",
     "tensor_roles",
 ]
 
@@ -306,13 +307,14 @@ class ModelSpec:
                 out[t.name] = full_tensors[t.name]
             elif t.role.endswith("_u"):
                 rank = t.shape[1]
-                u, v = matrix_to_factors(_to_matrix(full_tensors[t.full_name]), rank)
+                u, v = matrix_to_factors(factored_matrix(full_tensors[t.full_name]), rank)
                 out[t.name] = u
                 out[t.name[: -len("_u")] + "_v"] = v
         return {t.name: out[t.name] for t in self.tensors}
 
 
-def _to_matrix(full: Tensor) -> Tensor:
+def factored_matrix(full: Tensor) -> Tensor:
+    """The matrix a full-rank tensor is factorized as: unrolled conv weight, ``(o, i·m)`` coefficients, or itself."""
     if full.dim() == 4:
         return conv_weight_to_matrix(full)
     if full.dim() == 3:

@@ -19,6 +19,7 @@ from google.protobuf.message import Message
 from fedatoms import protogen
 from fedatoms.v1 import aggregator_pb2 as pb
 from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+from fedatoms.wire import from_chunk, to_chunk
 from fedcore import codec
 from fedcore.spec import ModelSpec
 from fedcore.tiers import CapabilityProfile
@@ -28,23 +29,6 @@ GRPC_DEFAULT_MAX_MESSAGE = 4 * 1024 * 1024
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def to_proto(chunk: codec.Chunk, kind: int = pb.TENSOR_KIND_MODEL) -> pb.TensorChunk:
-    return pb.TensorChunk(
-        name=chunk.name,
-        dtype=chunk.dtype,
-        shape=list(chunk.shape),
-        version=chunk.version,
-        offset=chunk.offset,
-        data=chunk.data,
-        total_bytes=chunk.total_bytes,
-        kind=kind,
-    )
-
-
-def from_proto(msg: pb.TensorChunk) -> codec.Chunk:
-    return codec.Chunk(msg.name, msg.dtype, tuple(msg.shape), msg.version, msg.offset, msg.data, msg.total_bytes)
 
 
 def roundtrip(msg: Message) -> Message:
@@ -292,7 +276,7 @@ def test_chunks_of_a_3_mib_tensor_stay_well_under_grpc_limit() -> None:
     array = np.random.default_rng(0).standard_normal((768, 256, 4), dtype=np.float32)
     encoded = codec.encode(array)
     assert encoded.nbytes == 3 * 2**20
-    chunks = [to_proto(c) for c in codec.iter_chunks("features.3.coefficients", encoded, version=7)]
+    chunks = [from_chunk(c) for c in codec.iter_chunks("features.3.coefficients", encoded, version=7)]
     assert len(chunks) == 3
     assert [c.offset for c in chunks] == [0, 2**20, 2 * 2**20]
     reassembler = codec.Reassembler()
@@ -303,7 +287,7 @@ def test_chunks_of_a_3_mib_tensor_stay_well_under_grpc_limit() -> None:
             assert size == len(msg.SerializeToString())
             assert size <= codec.CHUNK_BYTES + 1024, f"{size} bytes: header overhead grew"
             assert size < GRPC_DEFAULT_MAX_MESSAGE // 2
-        reassembler.add(from_proto(roundtrip(chunk)))
+        reassembler.add(to_chunk(roundtrip(chunk)))
     assert reassembler.versions() == {"features.3.coefficients": 7}
     np.testing.assert_array_equal(reassembler.finish()["features.3.coefficients"], array)
 
@@ -328,7 +312,7 @@ class _EchoAggregator(pb_grpc.AggregatorServicer):
         for name, array in self.tensors.items():
             if held.get(name, -1) < 1:
                 for chunk in codec.iter_chunks(name, codec.encode(array), version=1):
-                    yield to_proto(chunk)
+                    yield from_chunk(chunk)
 
     def PushUpdate(self, request_iterator, context):
         self._authorized(context)
@@ -337,7 +321,7 @@ class _EchoAggregator(pb_grpc.AggregatorServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first PushMessage must be a header")
         reassembler = codec.Reassembler()
         for msg in request_iterator:
-            reassembler.add(from_proto(msg.chunk))
+            reassembler.add(to_chunk(msg.chunk))
         n = len(reassembler.finish())
         return pb.PushReply(accepted=True, round=first.header.round, message=f"stored {n} tensors")
 

@@ -1,0 +1,70 @@
+"""Operator actions on a federation's database that need no running server: export, revoke."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from aggregator_service import store
+from fedcore.layers import reconstruct_filter
+
+__all__ = ["export_global_model", "revoke"]
+
+
+def _federation(session: Session, name: str, url: str) -> store.Federation:
+    fed = store.get_federation(session, name)
+    if fed is None:
+        raise ValueError(f"no federation {name!r} in {url}; check --database-url and the federation name")
+    return fed
+
+
+def export_global_model(database_url: str, round_: int, out: str | Path, federation_name: str = "default") -> Path:
+    """Write the global model after round ``round_`` as safetensors, plus ``<module>.weight = α × D`` per atom layer.
+
+    The store keeps only the current global model, so ``round_`` must be the last closed round.
+    """
+    from safetensors.torch import save_file
+
+    engine = store.create_engine_for(database_url)
+    try:
+        with store.session_factory(engine).begin() as s:
+            fed = _federation(s, federation_name, database_url)
+            last = s.scalar(
+                select(func.max(store.Round.number)).where(
+                    store.Round.federation_id == fed.id, store.Round.state == "closed"
+                )
+            )
+            last = int(last or 0)
+            if round_ != last:
+                raise ValueError(
+                    f"round {round_} cannot be exported: the database holds the global model as of the last closed "
+                    f"round, {last}" + (" (no round has closed yet; round 0 is the initial model)" if last == 0 else "")
+                )
+            loaded = store.load_global_tensors(s, fed)
+    finally:
+        engine.dispose()
+    tensors = {name: torch.from_numpy(array).contiguous() for name, (array, _v, _i) in loaded.items()}
+    for name in list(tensors):
+        if name.endswith(".atoms"):
+            module = name[: -len(".atoms")]
+            coefficients = tensors.get(f"{module}.coefficients")
+            if coefficients is not None and f"{module}.weight" not in tensors:
+                tensors[f"{module}.weight"] = reconstruct_filter(coefficients, tensors[name]).contiguous()
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"federation": federation_name, "round": str(round_)})
+    return path
+
+
+def revoke(database_url: str, client_id: str) -> None:
+    """Revoke a client's token for good; its next call answers UNAUTHENTICATED ``token revoked``."""
+    engine = store.create_engine_for(database_url)
+    try:
+        with store.session_factory(engine).begin() as s:
+            if not store.revoke_client(s, client_id):
+                raise ValueError(f"no client {client_id!r} in {database_url}")
+    finally:
+        engine.dispose()

@@ -1,0 +1,354 @@
+"""The gRPC face of the aggregator: authenticate, decode, call the coordinator, encode.
+
+The servicer is thin on purpose: validation and the round state machine live in
+:mod:`aggregator_service.coordinator` (plain Python); domain errors leave through
+``context.abort(code, message)``. :func:`build_server` wires the servicer, the standard
+health and reflection services, message limits and TLS; :func:`serve` runs it until
+SIGTERM/SIGINT with a background thread that enforces round deadlines.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
+from aggregator_service.coordinator import ClientInfo, Coordinator, Done, Train, kv
+from aggregator_service.errors import InvalidArgument, ServiceError, Unauthenticated
+from fedatoms import wire
+from fedatoms.v1 import aggregator_pb2 as pb
+from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+from fedcore import codec
+from fedcore.tiers import CapabilityProfile
+
+__all__ = ["MAX_MESSAGE_BYTES", "SERVICE_NAME", "AggregatorServicer", "DeadlineTicker", "build_server", "serve"]
+
+log = logging.getLogger("fedatoms.aggregator")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
+# Chunks carry ≤ 1 MiB of data; 4 MiB + headroom is gRPC's default and leaves room for headers.
+MAX_MESSAGE_BYTES = 4 * 2**20 + 64 * 2**10
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    context.abort(code, message)
+    raise AssertionError("context.abort returned")  # pragma: no cover
+
+
+def _is_abort(exc: Exception) -> bool:
+    """``context.abort`` ends a handler by raising a bare ``Exception``: it must pass through untouched."""
+    return type(exc) is Exception
+
+
+def _handle(context: grpc.ServicerContext, exc: Exception, method: str) -> NoReturn:
+    if isinstance(exc, ServiceError):
+        _abort(context, getattr(grpc.StatusCode, exc.code), exc.message)
+    if isinstance(exc, codec.CodecError):
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.kind == "too_large" else grpc.StatusCode.INVALID_ARGUMENT
+        _abort(context, code, str(exc))
+    log.exception(kv("rpc_failed", method=method, error=type(exc).__name__))
+    _abort(context, grpc.StatusCode.INTERNAL, f"internal error in {method} ({type(exc).__name__}); see the server log")
+
+
+def _rpc(fn: _F) -> _F:
+    """Map domain errors of a unary/client-streaming handler to status codes."""
+
+    @functools.wraps(fn)
+    def wrapper(self: AggregatorServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except Exception as exc:
+            if _is_abort(exc):
+                raise
+            _handle(context, exc, fn.__name__)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class AggregatorServicer(pb_grpc.AggregatorServicer):
+    def __init__(self, coordinator: Coordinator, settings: AggregatorSettings) -> None:
+        self.coordinator = coordinator
+        self.settings = settings
+        self.push_limit = settings.push_limit
+        self.fp16 = settings.federation.fp16
+
+    def _client(self, context: grpc.ServicerContext) -> ClientInfo:
+        values = [v for k, v in context.invocation_metadata() if k == "authorization"]
+        if not values:
+            raise Unauthenticated("missing bearer token: send metadata 'authorization: Bearer <token from Register>'")
+        scheme, _, token = str(values[0]).partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated("malformed authorization metadata: expected 'Bearer <token>'")
+        return self.coordinator.authenticate(token.strip())
+
+    @_rpc
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
+        p = request.profile
+        profile = CapabilityProfile(
+            device_name=p.device_name or "unknown",
+            compute_macs=p.compute_macs if p.HasField("compute_macs") else None,
+            memory_bytes=p.memory_bytes if p.HasField("memory_bytes") else None,
+            uplink_bps=p.uplink_bps if p.HasField("uplink_bps") else None,
+            downlink_bps=p.downlink_bps if p.HasField("downlink_bps") else None,
+            num_samples=max(0, p.num_samples),
+            preferred_tier=p.preferred_tier if p.HasField("preferred_tier") else None,
+        )
+        name = request.client_name if request.HasField("client_name") else None
+        reg = self.coordinator.register(profile, request.enrollment_secret, name)
+        return pb.RegisterReply(
+            client_id=reg.client_id,
+            token=reg.token,
+            tier=reg.tier,
+            model_spec_json=reg.spec_json,
+            federation=self.settings.federation_name,
+            heartbeat_interval_seconds=self.settings.heartbeat_timeout_seconds / 3,
+        )
+
+    @_rpc
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        now, current = self.coordinator.heartbeat(self._client(context))
+        return pb.HeartbeatReply(server_time_unix=now, current_round=current)
+
+    @_rpc
+    def GetTask(self, request: pb.GetTaskRequest, context: grpc.ServicerContext) -> pb.Task:
+        task = self.coordinator.get_task(self._client(context))
+        if isinstance(task, Train):
+            strategy = dict(task.strategy_config)
+            if task.local:  # no proto field yet: tensors that never leave the client travel in the strategy JSON
+                strategy["local_tensors"] = list(task.local)
+            return pb.Task(
+                train=pb.Task.Train(
+                    round=task.round,
+                    due_tensors=list(task.due),
+                    train_config_json=_json(task.train_config.to_dict()),
+                    strategy_config_json=_json(strategy),
+                    continue_unsynced=task.continue_unsynced,
+                    seed=task.seed,
+                    deadline_unix=task.deadline.timestamp(),
+                    personal_atoms=task.personal_atoms,
+                )
+            )
+        if isinstance(task, Done):
+            return pb.Task(done=pb.Task.Done(reason=task.reason, final_round=task.final_round))
+        return pb.Task(wait=pb.Task.Wait(retry_after_seconds=task.retry_after, reason=task.reason))
+
+    def FetchModel(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
+        try:
+            client = self._client(context)
+            held = {v.name: v.version for v in request.held}
+            model, control = self.coordinator.fetch(client, held, request.include_server_control)
+        except Exception as exc:
+            if _is_abort(exc):
+                raise
+            _handle(context, exc, "FetchModel")
+        sent = 0
+        try:
+            for kind, tensors in ((pb.TENSOR_KIND_MODEL, model), (pb.TENSOR_KIND_SERVER_CONTROL, control)):
+                for name, tensor, version in tensors:
+                    for msg in wire.tensor_messages(name, tensor, version, kind, fp16=self.fp16):
+                        yield msg
+                        sent += len(msg.data)
+        finally:
+            try:
+                self.coordinator.record_download(client, sent)
+            except Exception:
+                log.exception(kv("record_download_failed", client=client.id, bytes=sent))
+
+    @_rpc
+    def PushUpdate(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
+        client = self._client(context)
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("payload") != "header":
+            raise InvalidArgument("the first PushMessage must carry the PushHeader (round, update_id, num_samples)")
+        header = first.header
+        model = codec.Reassembler(max_total_bytes=self.push_limit)
+        control: codec.Reassembler | None = None
+        for msg in request_iterator:
+            if msg.WhichOneof("payload") != "chunk":
+                raise InvalidArgument("PushHeader sent twice: only the first PushMessage carries the header")
+            chunk = msg.chunk
+            if chunk.kind == pb.TENSOR_KIND_MODEL:
+                if control is not None:
+                    raise InvalidArgument(f"model tensor {chunk.name!r} after control deltas: send model tensors first")
+                model.add(wire.to_chunk(chunk))
+            elif chunk.kind == pb.TENSOR_KIND_CONTROL_DELTA:
+                if control is None:
+                    control = codec.Reassembler(max_total_bytes=max(0, self.push_limit - model.bytes_received))
+                control.add(wire.to_chunk(chunk))
+            else:
+                raise InvalidArgument(
+                    f"tensor {chunk.name!r}: chunk kind {wire.KIND_NAMES.get(chunk.kind, chunk.kind)} cannot be "
+                    "pushed; use TENSOR_KIND_MODEL or TENSOR_KIND_CONTROL_DELTA"
+                )
+        tensors = model.finish(allow_nonfinite=True)  # the coordinator names NaN/Inf per tensor
+        deltas = control.finish(allow_nonfinite=True) if control is not None else None
+        nbytes = model.bytes_received + (control.bytes_received if control is not None else 0)
+        result = self.coordinator.push(
+            client,
+            header.round,
+            header.update_id,
+            header.num_samples,
+            dict(header.metrics),
+            tensors,
+            deltas,
+            nbytes=nbytes,
+        )
+        return pb.PushReply(
+            accepted=result.accepted, duplicate=result.duplicate, round=result.round, message=result.message
+        )
+
+    @_rpc
+    def ReportEvaluation(self, request: pb.EvaluationReport, context: grpc.ServicerContext) -> pb.EvaluationReply:
+        client = self._client(context)
+        recorded = self.coordinator.report_evaluation(
+            client,
+            request.round,
+            request.global_accuracy,
+            request.global_loss,
+            request.personalized_accuracy if request.HasField("personalized_accuracy") else None,
+            request.num_samples,
+        )
+        return pb.EvaluationReply(recorded=recorded)
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True)
+
+
+# --------------------------------------------------------------------------- server
+
+
+def _credentials(settings: AggregatorSettings) -> grpc.ServerCredentials:
+    assert settings.tls_cert is not None and settings.tls_key is not None
+
+    def read(path: Path, what: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ValueError(f"cannot read {what} {path}: {exc.strerror}") from exc
+
+    pair = (read(settings.tls_key, "tls_key"), read(settings.tls_cert, "tls_cert"))
+    ca = read(settings.tls_client_ca, "tls_client_ca") if settings.tls_client_ca is not None else None
+    return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def build_server(
+    settings: AggregatorSettings, coordinator: Coordinator | None = None, *, max_workers: int = 32
+) -> tuple[grpc.Server, int, Coordinator]:
+    """A bound (not yet started) server: the Aggregator service, health, reflection, limits, TLS.
+
+    Returns ``(server, port, coordinator)``; ``port`` is the bound port (useful with ``:0``).
+    """
+    coordinator = coordinator or Coordinator.from_settings(settings)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    pb_grpc.add_AggregatorServicer_to_server(AggregatorServicer(coordinator, settings), server)
+    health_servicer = health.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.health_servicer = health_servicer  # type: ignore[attr-defined]  # for serve() and the ticker
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    try:
+        if settings.tls:
+            port = server.add_secure_port(settings.listen, _credentials(settings))
+        else:
+            port = server.add_insecure_port(settings.listen)
+    except RuntimeError as exc:
+        raise ValueError(f"cannot listen on {settings.listen}: {exc} (is the port in use?)") from exc
+    if port == 0:
+        raise ValueError(f"cannot listen on {settings.listen}: the address is in use or not available")
+    return server, port, coordinator
+
+
+class DeadlineTicker(threading.Thread):
+    """Calls ``coordinator.tick()`` every ``interval`` seconds; health follows the federation's state."""
+
+    def __init__(
+        self, coordinator: Coordinator, health_servicer: health.HealthServicer | None = None, interval: float = 1.0
+    ) -> None:
+        super().__init__(name="deadline-ticker", daemon=True)
+        self.coordinator, self.health, self.interval = coordinator, health_servicer, interval
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.interval):
+            try:
+                self.coordinator.tick()
+            except Exception:
+                log.exception(kv("tick_failed"))
+            if self.health is not None:
+                status = (
+                    health_pb2.HealthCheckResponse.NOT_SERVING
+                    if self.coordinator.state == "paused"
+                    else health_pb2.HealthCheckResponse.SERVING
+                )
+                for name in ("", SERVICE_NAME):
+                    self.health.set(name, status)
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(
+        level=level, format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s", force=True
+    )
+
+
+def serve(settings: AggregatorSettings) -> int:
+    """Run the aggregator until SIGTERM or SIGINT; returns the process exit code."""
+    configure_logging()
+    server, port, coordinator = build_server(settings)
+    health_servicer: health.HealthServicer = server.health_servicer  # type: ignore[attr-defined]
+    ticker = DeadlineTicker(coordinator, health_servicer)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        log.info(kv("shutdown_requested", signal=signal.Signals(signum).name))
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if settings.enrollment_secret == DEMO_ENROLLMENT_SECRET:
+        log.warning(kv("demo_enrollment_secret", hint="set enrollment_secret before anyone else can reach this server"))
+    server.start()
+    ticker.start()
+    log.info(
+        kv(
+            "serving",
+            listen=settings.listen,
+            port=port,
+            tls=settings.tls,
+            mtls=settings.tls_client_ca is not None,
+            federation=settings.federation_name,
+            database=settings.database_url,
+        )
+    )
+    stop.wait()
+    health_servicer.enter_graceful_shutdown()
+    ticker.stop()
+    server.stop(grace=10).wait()
+    log.info(kv("stopped"))
+    return 0

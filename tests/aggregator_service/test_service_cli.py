@@ -1,0 +1,75 @@
+"""The operator's commands: `fedatoms db upgrade`, `fedatoms aggregator export`, `fedatoms aggregator revoke`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_helpers import global_tensors, register, shards
+from safetensors.torch import load_file
+from sqlalchemy import create_engine, inspect
+
+from aggregator_service.config import AggregatorSettings
+from fedatoms.cli import main
+from fedcore.layers import reconstruct_filter
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_db_upgrade_creates_the_schema(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    out = subprocess.run(
+        [sys.executable, "-m", "fedatoms", "db", "upgrade", "--database-url", url],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "schema at" in out.stdout
+    engine = create_engine(url)
+    assert {"federations", "clients", "rounds", "global_tensors", "updates"} <= set(inspect(engine).get_table_names())
+    engine.dispose()
+
+
+def test_export_and_revoke(start_service, sqlite_url, tmp_path, capsys) -> None:
+    svc = start_service(sqlite_url)
+    data = shards(2, 60)
+    a, b = register(svc.stub, 1.0, data[0]), register(svc.stub, 0.25, data[1])
+    out = tmp_path / "model.safetensors"
+    assert main(["aggregator", "export", "--round", "1", str(out), "--database-url", sqlite_url]) == 2
+    assert "last closed round, 0" in capsys.readouterr().err
+    for c in (a, b):
+        c.round_trip()
+    assert main(["aggregator", "export", "--round", "1", str(out), "--database-url", sqlite_url]) == 0
+    exported = load_file(str(out))
+    served = global_tensors(sqlite_url)
+    for name, (tensor, _version) in served.items():
+        assert torch.equal(exported[name], tensor), name
+    for module in ("conv1", "conv2"):
+        expected = reconstruct_filter(served[f"{module}.coefficients"][0], served[f"{module}.atoms"][0])
+        assert torch.allclose(exported[f"{module}.weight"], expected)
+    assert exported["conv2.weight"].shape == (64, 32, 3, 3)
+
+    assert main(["aggregator", "revoke", a.client_id, "--database-url", sqlite_url]) == 0
+    with pytest.raises(grpc.RpcError) as info:
+        a.task()
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "token revoked" in info.value.details()
+    assert b.task().WhichOneof("kind") in ("train", "wait")
+    assert main(["aggregator", "revoke", "no-such-client", "--database-url", sqlite_url]) == 2
+
+
+def test_settings_from_toml_env_and_overrides(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "f.toml"
+    path.write_text('listen = "127.0.0.1:6000"\nquorum = 0.8\n[federation]\nrounds = 7\nlr = 0.1\n')
+    monkeypatch.setenv("FEDATOMS_FEDERATION__ROUNDS", "9")
+    s = AggregatorSettings.from_toml(path, listen="127.0.0.1:7000", database_url=None)
+    assert (s.listen, s.quorum, s.federation.rounds, s.federation.lr) == ("127.0.0.1:7000", 0.8, 9, 0.1)
+    with pytest.raises(ValueError, match="not a loopback address"):
+        AggregatorSettings(listen="0.0.0.0:50051")
+    assert AggregatorSettings(listen="0.0.0.0:50051", allow_insecure=True).listen == "0.0.0.0:50051"
+    with pytest.raises(ValueError, match="tiers below 1"):
+        AggregatorSettings(federation={"tiers": [1.0, 0.5]})

@@ -1,0 +1,150 @@
+"""Every way a request is refused, with its status code and message, and the database untouched after each."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_helpers import Client, register, shards, snapshot
+
+from aggregator_service import store
+from fedatoms.v1 import aggregator_pb2 as pb
+
+
+@pytest.fixture
+def round_one(start_service, sqlite_url) -> tuple[Any, Client, Client, dict[str, np.ndarray]]:
+    """Round 1 open for a tier-1/4 client ``a`` and a tier-1 client ``b``; ``a`` trained, not pushed yet."""
+    svc = start_service(sqlite_url)
+    data = shards(3, 60)
+    a, b = register(svc.stub, 0.25, data[0]), register(svc.stub, 1.0, data[1])
+    task = a.task()
+    assert task.WhichOneof("kind") == "train"
+    a.fetch()
+    push = a.train(task)
+    return svc, a, b, {n: t.numpy() for n, t in push.tensors.items()}
+
+
+def _refused(url: str, code: grpc.StatusCode, fragment: str, call: Callable[[], Any]) -> str:
+    before = snapshot(url)
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    err = info.value
+    assert err.code() == code, err.details()
+    assert fragment in err.details(), err.details()
+    assert snapshot(url) == before, f"database changed after a refused call: {err.details()}"
+    return err.details()
+
+
+def test_authentication_failures_are_unauthenticated(round_one) -> None:
+    svc, a, _, tensors = round_one
+    stub, url = svc.stub, svc.url
+    U = grpc.StatusCode.UNAUTHENTICATED
+    _refused(url, U, "missing bearer token", lambda: stub.GetTask(pb.GetTaskRequest()))
+    _refused(
+        url, U, "unknown token", lambda: stub.GetTask(pb.GetTaskRequest(), metadata=(("authorization", "Bearer nope"),))
+    )
+    _refused(
+        url,
+        U,
+        "expected 'Bearer <token>'",
+        lambda: stub.Heartbeat(pb.HeartbeatRequest(), metadata=(("authorization", a.token),)),
+    )
+    bad = Client(stub, a.client_id, "forged", a.tier, a.spec, a.data)
+    _refused(url, U, "unknown token", lambda: bad.push(1, tensors))
+    _refused(url, U, "unknown token", lambda: list(bad.stub.FetchModel(pb.FetchRequest(), metadata=bad.auth)))
+    # wrong enrollment secret
+    _refused(url, U, "wrong enrollment secret", lambda: register(stub, 1.0, a.data, secret="guess"))
+    # revoked token: the client's next call is refused, whatever it is
+    engine = store.create_engine_for(url)
+    with store.session_factory(engine).begin() as s:
+        assert store.revoke_client(s, a.client_id)
+    engine.dispose()
+    _refused(url, U, "token revoked", a.task)
+    _refused(url, U, "token revoked", lambda: a.push(1, tensors))
+
+
+def test_invalid_tensors_are_refused_and_nothing_is_stored(round_one) -> None:
+    svc, a, _, good = round_one
+    url = svc.url
+    inv = grpc.StatusCode.INVALID_ARGUMENT
+
+    def variant(**changes: Any) -> dict[str, np.ndarray]:
+        out = dict(good)
+        for name, value in changes.items():
+            name = name.replace("__", ".")
+            if value is None:
+                out.pop(name)
+            else:
+                out[name] = value
+        return out
+
+    u = good["conv2.coefficients_u"]
+    nan, inf = u.copy(), u.copy()
+    nan[0, 0], inf[3, 2] = np.nan, np.inf
+    cases = [
+        (
+            "wrong shape for the tier",
+            "does not match (64, 16)",
+            variant(conv2__coefficients_u=np.zeros((64, 64), "f4")),
+        ),
+        ("unknown tensor", "unknown tensor", {**good, "conv9.weight": np.zeros(3, "f4")}),
+        ("NaN", "NaN or Inf", variant(conv2__coefficients_u=nan)),
+        ("Inf", "NaN or Inf", variant(conv2__coefficients_u=inf)),
+        ("wrong dtype", "dtype float64, expected float32", variant(head__bias=good["head.bias"].astype("f8"))),
+        ("int dtype", "dtype int64", variant(head__bias=np.zeros(10, "i8"))),
+        ("missing due tensor", "missing due tensor", variant(head__weight=None)),
+    ]
+    for label, fragment, tensors in cases:
+        details = _refused(url, inv, fragment, lambda t=tensors: a.push(1, t))
+        assert "'" in details, f"{label}: the message names no tensor: {details}"
+    # float16 payloads are accepted and upcast
+    half = {n: t.astype("f2") for n, t in good.items()}
+    reply = a.push(1, half)
+    assert reply.accepted and not reply.duplicate
+
+
+def test_round_and_cohort_preconditions(round_one) -> None:
+    svc, a, _, good = round_one
+    url = svc.url
+    fp = grpc.StatusCode.FAILED_PRECONDITION
+    _refused(url, fp, "round 7 is not open", lambda: a.push(7, good))
+    late = register(svc.stub, 0.25, a.data)  # registered after round 1 opened: not in its cohort
+    assert late.task().wait.reason == "not selected for round 1"
+    _refused(url, fp, "not in round 1's cohort", lambda: late.push(1, good))
+    inv = grpc.StatusCode.INVALID_ARGUMENT
+    _refused(
+        url, inv, "first PushMessage must carry the PushHeader", lambda: a.stub.PushUpdate(iter([]), metadata=a.auth)
+    )
+    _refused(url, inv, "update_id", lambda: a.push(1, good, update_id="has space"))
+    _refused(url, inv, "num_samples", lambda: a.push(1, good, num_samples=0))
+    _refused(url, inv, "metric 'loss'", lambda: a.push(1, good, metrics={"loss": float("nan")}))
+
+
+def test_oversized_push_is_resource_exhausted(round_one) -> None:
+    svc, a, _, good = round_one
+    huge = {**good, "head.weight": np.zeros((svc.settings.push_limit // 4 + 1,), "f4")}
+    _refused(svc.url, grpc.StatusCode.RESOURCE_EXHAUSTED, "too large", lambda: a.push(1, huge))
+
+
+def test_duplicate_update_id_is_acknowledged_and_counted_once(round_one) -> None:
+    svc, a, b, good = round_one
+    update_id = uuid.uuid4().hex
+    first = a.push(1, good, update_id=update_id)
+    assert first.accepted and not first.duplicate
+    state = snapshot(svc.url)
+    assert state["updates"] == 1
+    again = a.push(1, good, update_id=update_id)
+    assert again.accepted and again.duplicate and again.round == 1
+    assert snapshot(svc.url) == state  # counted once, transfer bytes included
+    # a second, different update for the same round is refused
+    _refused(svc.url, grpc.StatusCode.FAILED_PRECONDITION, "already pushed", lambda: a.push(1, good))
+    assert a.task().wait.reason == "round 1 update received; waiting for the round to close"
+    _, reply = b.round_trip()
+    assert reply.accepted and svc.coordinator.open_round is None
+    with pytest.raises(grpc.RpcError) as info:  # a retry after the close is too late
+        a.push(1, good, update_id=update_id)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -1,0 +1,114 @@
+"""Crash safety: a SIGKILLed aggregator restarted on its database finishes the open round with the same result."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_helpers import SECRET, free_port, global_tensors, offline_round, register, shards, wait_serving
+
+from aggregator_service.config import FederationConfig
+from aggregator_service.rounds import RoundPlan
+from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+TOML = f"""
+enrollment_secret = "{SECRET}"
+deadline_seconds = 600
+
+[federation]
+model = "digits-cnn"
+factorization = "atoms-lowrank"
+tiers = [1.0, 0.25]
+fraction = 1.0
+min_clients = 3
+rounds = 2
+batch_size = 32
+lr = 0.05
+"""
+
+
+def _serve(config: Path, port: int, url: str, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "fedatoms", "aggregator", "serve", "--config", str(config)]
+    cmd += ["--listen", f"127.0.0.1:{port}", "--database-url", url]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    try:
+        wait_serving(f"127.0.0.1:{port}")
+    except TimeoutError:
+        proc.kill()
+        raise AssertionError(f"server did not start:\n{log.read_text()}") from None
+    return proc
+
+
+def test_sigkill_mid_round_then_restart_completes_the_round(tmp_path) -> None:
+    config = tmp_path / "federation.toml"
+    config.write_text(TOML)
+    url = f"sqlite:///{tmp_path / 'fedatoms.db'}"
+    port, log = free_port(), tmp_path / "server.log"
+    proc = _serve(config, port, url, log)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.AggregatorStub(channel)
+        data = shards(3, 80)
+        clients = [register(stub, t, d) for t, d in zip([1.0, 0.25, 0.25], data, strict=True)]
+        tasks = {c.client_id: c.task() for c in clients}
+        assert all(t.WhichOneof("kind") == "train" for t in tasks.values())
+        acked = []
+        for c in clients[:2]:
+            c.fetch()
+            push = c.train(tasks[c.client_id])
+            reply = c.push(1, push.tensors, num_samples=push.num_samples, update_id=f"u-{c.client_id}")
+            assert reply.accepted and not reply.duplicate
+            acked.append(c)
+        last = clients[2]
+        last.fetch()
+        last_push = last.train(tasks[last.client_id])
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        channel.close()
+
+    proc = _serve(config, port, url, log)  # same port, same database
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.AggregatorStub(channel)
+        for c in clients:
+            c.stub = stub
+        # the open round survived: same task (seed, due) for the member that has not pushed
+        again = last.task()
+        assert again.train.round == 1 and again.train.seed == tasks[last.client_id].train.seed
+        assert acked[0].task().wait.reason == "round 1 update received; waiting for the round to close"
+        retry = acked[0].push(1, acked[0].pushed[1].tensors, update_id=f"u-{acked[0].client_id}")
+        assert retry.duplicate  # acknowledged before the crash: stored durably
+        reply = last.push(1, last_push.tensors, num_samples=last_push.num_samples)
+        assert reply.accepted
+        assert last.task().train.round == 2  # round 1 closed, round 2 opened
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+        channel.close()
+
+    fed_config = FederationConfig(
+        model="digits-cnn",
+        factorization="atoms-lowrank",
+        tiers=[1.0, 0.25],
+        fraction=1.0,
+        min_clients=3,
+        rounds=2,
+        batch_size=32,
+        lr=0.05,
+    )
+    cohort = tuple(sorted(c.client_id for c in clients))
+    due = tuple(fed_config.spec.names)
+    uninterrupted = offline_round(fed_config, RoundPlan(1, cohort, due, False), clients, num_clients_total=3)
+    served = global_tensors(url)
+    for name, tensor in uninterrupted.global_tensors.items():
+        assert served[name][1] == 1
+        assert torch.allclose(served[name][0], tensor, atol=1e-6, rtol=0), name
+    assert "event=federation_loaded" in log.read_text() and "event=stopped" in log.read_text()

@@ -1,0 +1,112 @@
+"""One round end to end over real gRPC, equal to the in-process engine; partial fetch; quorum and deadlines."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+from grpc_helpers import global_tensors, offline_round, register, shards, small_federation
+
+from aggregator_service.rounds import RoundPlan
+from fedatoms.v1 import aggregator_pb2 as pb
+
+
+def _happy_path(start_service, url: str) -> None:
+    svc = start_service(url)
+    data = shards(2)
+    clients = [register(svc.stub, 1.0, data[0]), register(svc.stub, 0.25, data[1])]
+    tasks = {c.client_id: c.task() for c in clients}
+    assert all(t.WhichOneof("kind") == "train" for t in tasks.values())
+    plan = svc.coordinator.open_round
+    assert plan is not None and plan.round == 1 and set(plan.cohort) == {c.client_id for c in clients}
+    # the task for the 1/4 tier names its factors; the seed is the simulator's
+    low = next(c for c in clients if c.tier == 0.25)
+    assert "conv2.coefficients_u" in tasks[low.client_id].train.due_tensors
+
+    replies = []
+    for c in clients:
+        assert c.fetch() > 0
+        push = c.train(tasks[c.client_id])
+        replies.append(c.push(1, push.tensors, num_samples=push.num_samples, metrics=push.metrics))
+    assert all(r.accepted and not r.duplicate and r.round == 1 for r in replies)
+    assert svc.coordinator.open_round is None  # the whole cohort reported: round 1 closed
+
+    offline = offline_round(svc.settings.federation, plan, clients, num_clients_total=2)
+    served = global_tensors(url)
+    for name, tensor in offline.global_tensors.items():
+        got, version = served[name]
+        assert version == 1, name
+        assert torch.allclose(got, tensor, atol=1e-6, rtol=0), name
+    # clients fetch round 1's tensors, shaped for their tiers
+    assert all(c.fetch() > 0 for c in clients)
+    assert low.state.versions["conv2.coefficients_u"] == 1
+    assert tuple(low.state.global_tensors["conv2.coefficients_u"].shape) == (64, 16)
+
+
+def test_round_over_grpc_equals_in_process_engine_sqlite(start_service, sqlite_url) -> None:
+    _happy_path(start_service, sqlite_url)
+
+
+def test_round_over_grpc_equals_in_process_engine_postgres(start_service, postgres_url) -> None:
+    _happy_path(start_service, postgres_url)
+
+
+def test_partial_fetch_sends_nothing_the_client_holds(start_service, sqlite_url) -> None:
+    svc = start_service(sqlite_url)
+    data = shards(2, 50)
+    a = register(svc.stub, 0.25, data[0])
+    register(svc.stub, 1.0, data[1])
+    assert a.fetch() > 0
+    assert a.fetch() == 0  # holds every current version: the stream ends without a byte
+    # holding all but one tensor fetches exactly that one
+    held = [pb.TensorVersion(name=n, version=v) for n, v in a.state.versions.items() if n != "head.bias"]
+    chunks = list(a.stub.FetchModel(pb.FetchRequest(held=held), metadata=a.auth))
+    assert [c.name for c in chunks] == ["head.bias"]
+
+
+def test_deadline_closes_with_quorum(start_service, sqlite_url) -> None:
+    svc = start_service(sqlite_url, federation=small_federation(min_clients=3), quorum=0.5, deadline_seconds=60)
+    data = shards(3, 60)
+    clients = [register(svc.stub, t, d) for t, d in zip([1.0, 0.25, 1.0], data, strict=True)]
+    for c in clients:
+        assert c.task().WhichOneof("kind") == "train"
+    plan = svc.coordinator.open_round
+    assert plan is not None and len(plan.cohort) == 3
+    for c in clients[:2]:  # the third member never reports
+        _, reply = c.round_trip()
+        assert reply.accepted
+    assert svc.coordinator.open_round is not None
+    before = svc.coordinator._open.deadline
+    svc.coordinator.tick(before - timedelta(seconds=1))
+    assert svc.coordinator.open_round is not None  # not yet
+    svc.coordinator.tick(before + timedelta(seconds=1))
+    assert svc.coordinator.open_round is None
+    offline = offline_round(svc.settings.federation, RoundPlan(1, plan.cohort, plan.due, False), clients[:2], 3)
+    served = global_tensors(sqlite_url)
+    for name, tensor in offline.global_tensors.items():
+        assert torch.allclose(served[name][0], tensor, atol=1e-6, rtol=0), name
+    # the straggler's late push is refused; it gets the next round's task instead
+    late = clients[2]
+    with pytest.raises(Exception) as info:
+        late.push(1, {"head.bias": torch.zeros(10)})
+    assert "FAILED_PRECONDITION" in str(info.value) and "not open" in str(info.value)
+    assert late.task().train.round == 2
+
+
+def test_deadline_without_quorum_extends_once_then_abandons(start_service, sqlite_url) -> None:
+    svc = start_service(sqlite_url, quorum=1.0, deadline_seconds=30)
+    data = shards(2, 60)
+    clients = [register(svc.stub, 1.0, data[0]), register(svc.stub, 0.25, data[1])]
+    for c in clients:
+        assert c.task().WhichOneof("kind") == "train"
+    clients[0].round_trip()
+    op = svc.coordinator._open
+    first = op.deadline
+    svc.coordinator.tick(first + timedelta(seconds=1))
+    assert svc.coordinator.open_round is not None and op.extended and op.deadline > first
+    svc.coordinator.tick(op.deadline + timedelta(seconds=1))
+    assert svc.coordinator.open_round is None
+    task = clients[1].task()  # resampled: round 2 opens
+    assert task.train.round == 2 and not task.train.continue_unsynced
+    assert all(v == 0 for _, v in global_tensors(sqlite_url).values())  # nothing was aggregated
