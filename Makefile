@@ -23,6 +23,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/layers.py
 	$(PY) benchmarks/aggregation.py
+	$(PY) benchmarks/transport.py
 
 proto: $(STAMP)
 	$(PY) -m fedatoms.protogen

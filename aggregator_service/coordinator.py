@@ -38,6 +38,7 @@ from aggregator_service.errors import FailedPrecondition, InvalidArgument, Unaut
 from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome, RoundPlan, derive_seed
 from aggregator_service.validation import check_header, check_tensors
+from fedcore import codec
 from fedcore.tiers import CapabilityProfile, NoTierFitsError, assign_tier
 from fedcore.training import TrainConfig
 
@@ -99,6 +100,18 @@ class Done:
     final_round: int
 
 
+class EncodedTensor(NamedTuple):
+    """One tensor ready to stream: its name, version and pre-cut :class:`fedcore.codec.Chunk` pieces."""
+
+    name: str
+    version: int
+    chunks: tuple[codec.Chunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(c.data) for c in self.chunks)
+
+
 class PushResult(NamedTuple):
     accepted: bool
     duplicate: bool
@@ -135,6 +148,8 @@ class Coordinator:
         self._touched: dict[str, datetime] = {}
         self._touch_every = timedelta(seconds=min(5.0, settings.heartbeat_timeout_seconds / 4))
         self._eval_data: Any = None
+        # encoded (and pre-chunked) tensors per (tier, kind, name): one version each, replaced when it changes
+        self._encoded: dict[tuple[float, str, str], EncodedTensor] = {}
         if settings.eval_dataset:
             from fedcore.data import load_dataset
 
@@ -175,6 +190,7 @@ class Coordinator:
             else:
                 self._restore(s, row, fed)
             self._fed_row, self.federation = row, fed
+            self._encoded = {}  # a reload may roll tensors back to what the database holds
             self._state = row.state
             self._open = self._load_open_round(s, row, fed)
         log.info(
@@ -375,6 +391,31 @@ class Coordinator:
                 version = fed.round if fed.round > 0 else 0
                 control = [(n, t, version) for n, t in sc.items()]
         return model, control
+
+    def fetch_encoded(
+        self, client: ClientInfo, held: Mapping[str, int], include_server_control: bool = False
+    ) -> tuple[list[EncodedTensor], list[EncodedTensor]]:
+        """:meth:`fetch`, encoded for the wire (fp16 per the federation) and cut into chunks.
+
+        Each (tier, tensor) is encoded once per version and kept until a newer version replaces
+        it, so concurrent and repeated fetches share the same bytes.
+        """
+        with self._lock:
+            model, control = self.fetch(client, held, include_server_control)
+            return (
+                [self._encode(client.tier, "model", n, t, v) for n, t, v in model],
+                [self._encode(client.tier, "control", n, t, v) for n, t, v in control],
+            )
+
+    def _encode(self, tier: float, kind: str, name: str, tensor: Tensor, version: int) -> EncodedTensor:
+        key = (tier, kind, name)
+        hit = self._encoded.get(key)
+        if hit is not None and hit.version == version:
+            return hit
+        encoded = codec.encode(tensor, fp16=self.config.fp16, name=name)
+        entry = EncodedTensor(name, version, tuple(codec.iter_chunks(name, encoded, version=version)))
+        self._encoded[key] = entry
+        return entry
 
     def record_download(self, client: ClientInfo, nbytes: int) -> None:
         """Count bytes sent to ``client`` toward the open round (else the last round)."""

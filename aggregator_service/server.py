@@ -148,7 +148,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         try:
             client = self._client(context)
             held = {v.name: v.version for v in request.held}
-            model, control = self.coordinator.fetch(client, held, request.include_server_control)
+            model, control = self.coordinator.fetch_encoded(client, held, request.include_server_control)
         except Exception as exc:
             if _is_abort(exc):
                 raise
@@ -156,10 +156,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         sent = 0
         try:
             for kind, tensors in ((pb.TENSOR_KIND_MODEL, model), (pb.TENSOR_KIND_SERVER_CONTROL, control)):
-                for name, tensor, version in tensors:
-                    for msg in wire.tensor_messages(name, tensor, version, kind, fp16=self.fp16):
-                        yield msg
-                        sent += len(msg.data)
+                for encoded in tensors:  # encoded and cut once per version by the coordinator, shared by fetches
+                    for chunk in encoded.chunks:
+                        yield wire.from_chunk(chunk, kind)
+                        sent += len(chunk.data)
         finally:
             try:
                 self.coordinator.record_download(client, sent)

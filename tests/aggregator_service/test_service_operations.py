@@ -1,0 +1,171 @@
+"""Operations over real gRPC on loopback: TLS and mutual TLS, pause/resume, ReportEvaluation bookkeeping."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_helpers import SECRET, register, shards
+
+from aggregator_service import store
+from fedatoms.v1 import aggregator_pb2 as pb
+from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+
+OPENSSL = shutil.which("openssl")
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    assert OPENSSL is not None
+    subprocess.run([OPENSSL, *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def _signed(cwd: Path, name: str, usage: str, san: str | None) -> None:
+    """``name.key`` and ``name.pem`` signed by ``ca``; ``usage`` is the extended key usage."""
+    ext = [f"extendedKeyUsage={usage}"] + ([f"subjectAltName={san}"] if san else [])
+    (cwd / f"{name}.ext").write_text("\n".join(ext) + "\n")
+    key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-new", *key, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=cwd)
+    _openssl(
+        "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-days", "2", "-out", f"{name}.pem", "-extfile", f"{name}.ext", cwd=cwd,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Path:
+    """A throwaway CA, a server certificate for 127.0.0.1/localhost and a client certificate, made by openssl."""
+    if OPENSSL is None:
+        pytest.skip("the openssl command-line tool is not installed: TLS service tests need it to make certificates")
+    d = tmp_path / "pki"
+    d.mkdir()
+    _openssl(
+        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=fedatoms test CA",
+        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=d,
+    )  # fmt: skip
+    _signed(d, "server", "serverAuth", "IP:127.0.0.1,DNS:localhost")
+    _signed(d, "client", "clientAuth", None)
+    return d
+
+
+def _register(channel: grpc.Channel) -> pb.RegisterReply:
+    stub = pb_grpc.AggregatorStub(channel)
+    return stub.Register(
+        pb.RegisterRequest(profile=pb.CapabilityProfile(num_samples=10), enrollment_secret=SECRET), timeout=10
+    )
+
+
+def _refused(channel: grpc.Channel) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        _register(channel)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    return info.value
+
+
+def test_tls_register_and_plaintext_refused(start_service, sqlite_url, pki: Path) -> None:
+    svc = start_service(sqlite_url, tls_cert=pki / "server.pem", tls_key=pki / "server.key")
+    target = f"127.0.0.1:{svc.port}"
+    creds = grpc.ssl_channel_credentials(root_certificates=(pki / "ca.pem").read_bytes())
+    with grpc.secure_channel(target, creds) as channel:
+        reply = _register(channel)
+        assert reply.client_id and reply.token
+    with grpc.insecure_channel(target) as channel:  # plaintext HTTP/2 against a TLS port
+        _refused(channel)
+    # a client that trusts another CA does not talk to this server either
+    with grpc.secure_channel(
+        target, grpc.ssl_channel_credentials(root_certificates=(pki / "client.pem").read_bytes())
+    ) as channel:
+        _refused(channel)
+
+
+def test_mutual_tls_needs_a_client_certificate_of_the_ca(start_service, sqlite_url, pki: Path) -> None:
+    svc = start_service(
+        sqlite_url, tls_cert=pki / "server.pem", tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem"
+    )
+    target = f"127.0.0.1:{svc.port}"
+    root = (pki / "ca.pem").read_bytes()
+    with grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=root)) as channel:
+        _refused(channel)  # no client certificate: the handshake fails
+    with_cert = grpc.ssl_channel_credentials(
+        root_certificates=root,
+        private_key=(pki / "client.key").read_bytes(),
+        certificate_chain=(pki / "client.pem").read_bytes(),
+    )
+    with grpc.secure_channel(target, with_cert) as channel:
+        assert _register(channel).token
+    with grpc.insecure_channel(target) as channel:
+        _refused(channel)
+
+
+def test_pause_answers_wait_and_resume_continues(start_service, sqlite_url) -> None:
+    svc = start_service(sqlite_url)
+    data = shards(2, 60)
+    a, b = register(svc.stub, 0.25, data[0]), register(svc.stub, 1.0, data[1])
+    svc.coordinator.set_paused(True)  # what the dashboard calls
+    assert svc.coordinator.state == "paused"
+    for c in (a, b):
+        task = c.task()
+        assert task.WhichOneof("kind") == "wait", task
+        assert "paused" in task.wait.reason and task.wait.retry_after_seconds > 0
+    assert svc.coordinator.open_round is None  # nothing opened while paused
+    with store.session_factory(store.create_engine_for(sqlite_url)).begin() as s:
+        assert store.get_federation(s, "default").state == "paused"  # durable, not only in memory
+
+    svc.coordinator.set_paused(False)
+    assert svc.coordinator.state == "running"
+    rnd, reply = a.round_trip()
+    assert rnd == 1 and reply.accepted
+    # pausing an open round holds it: the member still to report waits, and trains again after resume
+    svc.coordinator.set_paused(True)
+    assert b.task().WhichOneof("kind") == "wait"
+    plan = svc.coordinator.open_round
+    assert plan is not None and plan.round == 1
+    svc.coordinator.set_paused(False)
+    rnd, reply = b.round_trip()
+    assert rnd == 1 and reply.accepted
+    assert svc.coordinator.open_round is None  # the cohort reported: round 1 closed
+    assert svc.coordinator.federation.round == 1
+
+
+def test_report_evaluation_recorded_once_per_round_and_client(start_service, sqlite_url) -> None:
+    svc = start_service(sqlite_url)
+    data = shards(2, 60)
+    a, b = register(svc.stub, 0.25, data[0]), register(svc.stub, 1.0, data[1])
+
+    def report(c, round_: int, acc: float, loss: float, personal: float | None, n: int) -> pb.EvaluationReply:
+        request = pb.EvaluationReport(round=round_, global_accuracy=acc, global_loss=loss, num_samples=n)
+        if personal is not None:
+            request.personalized_accuracy = personal
+        return c.stub.ReportEvaluation(request, metadata=c.auth)
+
+    with pytest.raises(grpc.RpcError) as info:  # round 1 has not closed yet
+        report(a, 1, 0.5, 1.0, None, 10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    for c in (a, b):
+        _, reply = c.round_trip()
+        assert reply.accepted
+    assert svc.coordinator.federation.round == 1
+
+    assert report(a, 1, 0.5, 1.5, 0.75, 30).recorded
+    assert not report(a, 1, 0.9, 0.1, 0.95, 30).recorded  # a retry: the first report stands
+    assert report(b, 1, 0.25, 2.0, None, 10).recorded
+    with pytest.raises(grpc.RpcError) as info:
+        report(b, 1, 1.5, 1.0, None, 10)  # invalid values are refused before the duplicate check
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    with store.session_factory(store.create_engine_for(sqlite_url)).begin() as s:
+        fed = store.get_federation(s, "default")
+        evals = {e.client_id: e for e in store.round_evaluations(s, fed, 1)}
+        assert set(evals) == {a.client_id, b.client_id}
+        ea, eb = evals[a.client_id], evals[b.client_id]
+        assert (ea.global_accuracy, ea.global_loss, ea.personalized_accuracy, ea.num_samples) == (0.5, 1.5, 0.75, 30)
+        assert (eb.global_accuracy, eb.global_loss, eb.personalized_accuracy, eb.num_samples) == (0.25, 2.0, None, 10)
+        summary = store.evaluation_summary(s, fed, 1)
+        assert summary["clients"] == 2
+        assert summary["mean_client_accuracy"] == pytest.approx((0.5 * 30 + 0.25 * 10) / 40)
+        assert summary["mean_client_loss"] == pytest.approx((1.5 * 30 + 2.0 * 10) / 40)
+        assert summary["personalized_accuracy"] == pytest.approx(0.75)
