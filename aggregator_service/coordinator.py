@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from torch import Tensor
 
@@ -36,7 +37,7 @@ from aggregator_service.aggregation import ClientUpdate
 from aggregator_service.config import AggregatorSettings
 from aggregator_service.errors import FailedPrecondition, InvalidArgument, Unauthenticated
 from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
-from aggregator_service.rounds import Federation, RoundOutcome, RoundPlan, derive_seed
+from aggregator_service.rounds import Federation, RoundOutcome, RoundPlan, client_key, client_number, derive_seed
 from aggregator_service.validation import check_header, check_tensors
 from fedcore import codec
 from fedcore.tiers import CapabilityProfile, NoTierFitsError, assign_tier
@@ -66,6 +67,7 @@ class ClientInfo:
     id: str
     tier: float
     name: str
+    key: str  # the round engine's name for the client (:func:`aggregator_service.rounds.client_key`)
 
 
 class Registration(NamedTuple):
@@ -121,10 +123,11 @@ class PushResult(NamedTuple):
 
 @dataclass
 class _OpenRound:
-    plan: RoundPlan
+    plan: RoundPlan  # cohort as engine keys
     deadline: datetime
     extended: bool
-    reported: set[str] = field(default_factory=set)
+    ids: dict[str, str]  # engine key → client id, for the cohort
+    reported: set[str] = field(default_factory=set)  # engine keys
 
 
 class Coordinator:
@@ -254,15 +257,18 @@ class Coordinator:
             select(store.Round).where(store.Round.federation_id == row.id).order_by(store.Round.number.desc()).limit(1)
         )
         # a kept cohort continues after a restart; an abandoned round's cohort is resampled
-        fed.cohort = tuple(latest.cohort) if latest is not None and latest.state != "abandoned" else ()
+        kept = latest is not None and latest.state != "abandoned"
+        fed.cohort = tuple(sorted(_keys(s, latest.cohort).values())) if kept and latest is not None else ()
 
     def _load_open_round(self, s: Session, row: store.Federation, fed: Federation) -> _OpenRound | None:
         rnd = store.get_open_round(s, row)
         if rnd is None:
             return None
-        plan = RoundPlan(rnd.number, tuple(rnd.cohort), tuple(rnd.due), bool(rnd.continue_unsynced))
+        keys = _keys(s, rnd.cohort)
+        plan = RoundPlan(rnd.number, tuple(sorted(keys.values())), tuple(rnd.due), bool(rnd.continue_unsynced))
         fed.cohort = plan.cohort
-        return _OpenRound(plan, rnd.deadline, bool(rnd.extended), set(store.reported_clients(s, row, rnd.number)))
+        reported = {keys[c] for c in store.reported_clients(s, row, rnd.number) if c in keys}
+        return _OpenRound(plan, rnd.deadline, bool(rnd.extended), {k: i for i, k in keys.items()}, reported)
 
     # ------------------------------------------------------------------ clients
 
@@ -275,8 +281,14 @@ class Coordinator:
             raise FailedPrecondition(f"no tier of this federation fits the device: {exc}") from exc
         except ValueError as exc:
             raise InvalidArgument(f"{exc} (tiers offered: {', '.join(f'{t:g}' for t in self.config.tiers)})") from exc
-        with self._factory.begin() as s:
-            client, token = store.register_client(s, self._fed_row, profile.to_dict(), tier, name)
+        for attempt in range(5):  # another replica may take the same registration number: retry
+            try:
+                with self._lock, self._factory.begin() as s:
+                    client, token = store.register_client(s, self._fed_row, profile.to_dict(), tier, name)
+                break
+            except IntegrityError:
+                if attempt == 4:
+                    raise
         log.info(kv("client_registered", client=client.id, name=client.name, tier=tier))
         return Registration(client.id, token, tier, self.federation.tier_spec(tier).to_json())
 
@@ -302,18 +314,19 @@ class Coordinator:
                 raise Unauthenticated("unknown token: register again to get a new client id and token")
             if client.revoked_at is not None:
                 raise Unauthenticated(f"token revoked for client {client.id}: the operator removed this client")
-            info = ClientInfo(client.id, float(client.tier), client.name)
+            info = ClientInfo(client.id, float(client.tier), client.name, client_key(client.number))
             last = self._touched.get(client.id)
             if last is None or now - last >= self._touch_every:
                 store.touch_client(s, client, now)
                 self._touched[client.id] = now
         return info
 
-    def heartbeat(self, client: ClientInfo) -> tuple[float, int]:
-        """``(server time, current round)``; the last-seen time was refreshed by :meth:`authenticate`."""
+    def heartbeat(self, client: ClientInfo) -> tuple[float, int, int]:
+        """``(server time, current round, last closed round)``; :meth:`authenticate` refreshed last-seen."""
         with self._lock:
             current = self._open.plan.round if self._open else self.federation.round
-        return self.clock().timestamp(), current
+            closed = self.federation.round
+        return self.clock().timestamp(), current, closed
 
     # ------------------------------------------------------------------ tasks
 
@@ -335,9 +348,9 @@ class Coordinator:
                 return Wait(self._retry(), f"waiting for at least {self.config.min_clients} online clients")
             op = self._open
             r = op.plan.round
-            if client.id not in op.plan.cohort:
+            if client.key not in op.plan.cohort:
                 return Wait(self._retry(), f"not selected for round {r}")
-            if client.id in op.reported:
+            if client.key in op.reported:
                 return Wait(self._retry(), f"round {r} update received; waiting for the round to close")
             fed = self.federation
             config = dict(fed.strategy.client_config())
@@ -348,7 +361,7 @@ class Coordinator:
                 train_config=self.config.train_config(),
                 strategy_config=config,
                 continue_unsynced=op.plan.continue_unsynced,
-                seed=derive_seed(self.config.seed, r, client.id),
+                seed=derive_seed(self.config.seed, r, client.key),
                 deadline=op.deadline,
                 personal_atoms=self.config.personal_atoms,
                 local=local,
@@ -358,20 +371,23 @@ class Coordinator:
         now = self.clock()
         since = now - timedelta(seconds=self.settings.heartbeat_timeout_seconds)
         with self._factory.begin() as s:
-            candidates = [c.id for c in store.online_clients(s, self._fed_row, since)]
+            candidates = {client_key(c.number): c.id for c in store.online_clients(s, self._fed_row, since)}
             if len(candidates) < self.config.min_clients:
                 return
             last = s.scalar(select(func.max(store.Round.number)).where(store.Round.federation_id == self._fed_row.id))
             number = int(last or 0) + 1
-            plan = self.federation.plan(number, candidates)
+            kept = dict(zip(self.federation.cohort, _ids(s, self._fed_row, self.federation.cohort), strict=True))
+            plan = self.federation.plan(number, list(candidates))
+            ids = {k: candidates.get(k) or kept[k] for k in plan.cohort}
             deadline = now + timedelta(seconds=self.settings.deadline_seconds)
             try:
-                store.open_round(s, self._fed_row, plan.round, plan.cohort, plan.due, plan.continue_unsynced, deadline)
+                cohort_ids = [ids[k] for k in plan.cohort]
+                store.open_round(s, self._fed_row, plan.round, cohort_ids, plan.due, plan.continue_unsynced, deadline)
             except store.RoundStateError:
                 s.rollback()
                 self._load()  # another process opened or changed rounds: follow the database
                 return
-        self._open = _OpenRound(plan, deadline, False)
+        self._open = _OpenRound(plan, deadline, False, ids)
         log.info(kv("round_opened", round=plan.round, cohort=len(plan.cohort), due=len(plan.due)))
 
     # ------------------------------------------------------------------ model transfer
@@ -417,14 +433,38 @@ class Coordinator:
         self._encoded[key] = entry
         return entry
 
-    def record_download(self, client: ClientInfo, nbytes: int) -> None:
-        """Count bytes sent to ``client`` toward the open round (else the last round)."""
+    def download_round(self, requested: int | None) -> int:
+        """The round a fetch's bytes count toward: ``requested`` (validated), else the open round, else the last."""
         with self._lock:
-            number = self._open.plan.round if self._open else self.federation.round
+            current = self._open.plan.round if self._open else self.federation.round
+        if requested is None:
+            return current
+        if not 1 <= requested <= current:
+            raise InvalidArgument(
+                f"FetchRequest.round {requested} is not a round of this federation yet (current round: {current})"
+            )
+        return requested
+
+    def record_download(
+        self, client: ClientInfo, nbytes: int, per_tensor: Mapping[str, int] | None = None, round_: int | None = None
+    ) -> None:
+        """Count bytes sent to ``client`` toward ``round_`` (see :meth:`download_round`), per full-rank tensor too."""
+        number = self.download_round(None) if round_ is None else round_
         if nbytes <= 0 or number < 1:
             return
         with self._factory.begin() as s:
-            store.record_transfer(s, self._fed_row, number, client.id, "down", nbytes)
+            store.record_transfer(
+                s, self._fed_row, number, client.id, "down", nbytes, self._owners(client.tier, per_tensor or {})
+            )
+
+    def _owners(self, tier: float, per_tensor: Mapping[str, int]) -> dict[str, int]:
+        """Tier tensors' bytes counted toward the full-rank tensor each belongs to (a factor pair: what it rebuilds)."""
+        owner = {t.name: t.full_name or t.name for t in self.federation.tier_spec(tier).tensors}
+        out: dict[str, int] = {}
+        for name, nbytes in per_tensor.items():
+            full = owner.get(name, name)
+            out[full] = out.get(full, 0) + nbytes
+        return out
 
     def push(
         self,
@@ -436,6 +476,7 @@ class Coordinator:
         tensors: Mapping[str, Any],
         control_delta: Mapping[str, Any] | None = None,
         nbytes: int | None = None,
+        tensor_bytes: Mapping[str, int] | None = None,
     ) -> PushResult:
         """Validate and store one update; acknowledged only after the commit. Closes the round when complete."""
         clean_metrics = check_header(update_id, num_samples, metrics)
@@ -447,25 +488,30 @@ class Coordinator:
                     f"round {round_} is not open ({current}, last closed: {self.federation.round}); "
                     "the update came too late or is for another round: poll GetTask for the current task"
                 )
-            if client.id not in op.plan.cohort:
+            if client.key not in op.plan.cohort:
                 raise FailedPrecondition(f"client {client.id} is not in round {round_}'s cohort: poll GetTask")
             spec = self.federation.tier_spec(client.tier)
             due = self.federation.tier_due(client.tier, op.plan.due)
             scaffold = bool(self.federation.strategy.client_config().get("scaffold"))
             model, deltas = check_tensors(spec, round_, due, tensors, control_delta, scaffold=scaffold)
             size = nbytes if nbytes is not None else sum(a.nbytes for a in [*model.values(), *(deltas or {}).values()])
+            if tensor_bytes is None:
+                tensor_bytes = {}
+                for n, a in [*model.items(), *(deltas or {}).items()]:
+                    tensor_bytes[n] = tensor_bytes.get(n, 0) + a.nbytes
             try:
                 with self._factory.begin() as s:
                     _, duplicate = store.store_update(
                         s, self._fed_row, round_, client.id, update_id, int(num_samples), clean_metrics, model, deltas
                     )
                     if not duplicate:
-                        store.record_transfer(s, self._fed_row, round_, client.id, "up", size)
+                        per_tensor = self._owners(client.tier, tensor_bytes)
+                        store.record_transfer(s, self._fed_row, round_, client.id, "up", size, per_tensor)
             except store.UpdateConflict as exc:
                 raise FailedPrecondition(f"{exc}; a retry must reuse the original update_id") from exc
             except (store.RoundStateError, store.NotInCohort, store.NotFound) as exc:
                 raise FailedPrecondition(f"{exc}: poll GetTask for the current task") from exc
-            op.reported.add(client.id)
+            op.reported.add(client.key)
             log.info(
                 kv("update_stored", round=round_, client=client.id, duplicate=duplicate, tensors=len(model), bytes=size)
             )
@@ -490,19 +536,24 @@ class Coordinator:
         try:
             with self._factory.begin() as s:
                 store.lock_round(s, self._fed_row, plan.round)
-                tiers = dict(
-                    s.execute(select(store.Client.id, store.Client.tier).where(store.Client.id.in_(plan.cohort))).all()
-                )
+                members = {
+                    cid: (client_key(number), float(tier))
+                    for cid, number, tier in s.execute(
+                        select(store.Client.id, store.Client.number, store.Client.tier).where(
+                            store.Client.id.in_(list(op.ids.values()))
+                        )
+                    ).all()
+                }
                 if hasattr(fed.strategy, "num_clients_total"):  # SCAFFOLD's N: clients enrolled now
                     fed.strategy.num_clients_total = max(
                         1, store.count_clients(s, self._fed_row, include_revoked=False)
                     )
                 fed.begin(plan)
                 for header, tensors, deltas in store.iter_round_updates(s, self._fed_row, plan.round):
-                    tier = float(tiers[header.client_id])
+                    key, tier = members[header.client_id]
                     fed.fold(
                         ClientUpdate(
-                            client_id=header.client_id,
+                            client_id=key,
                             num_samples=header.num_samples,
                             tier=tier,
                             spec=fed.tier_spec(tier),
@@ -675,3 +726,22 @@ def _finite_or_none(value: float | None) -> float | None:
 
 def _finite_dict(values: Mapping[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in values.items() if math.isfinite(v)}
+
+
+def _keys(s: Session, ids: Any) -> dict[str, str]:
+    """Client id → engine key, for the given ids."""
+    rows = s.execute(select(store.Client.id, store.Client.number).where(store.Client.id.in_(list(ids)))).all()
+    return {cid: client_key(number) for cid, number in rows}
+
+
+def _ids(s: Session, fed: store.Federation, keys: Any) -> list[str]:
+    """Engine key → client id, in the order given."""
+    numbers = [client_number(k) for k in keys]
+    found = dict(
+        s.execute(
+            select(store.Client.number, store.Client.id).where(
+                store.Client.federation_id == fed.id, store.Client.number.in_(numbers)
+            )
+        ).all()
+    )
+    return [found[n] for n in numbers]

@@ -118,8 +118,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        now, current = self.coordinator.heartbeat(self._client(context))
-        return pb.HeartbeatReply(server_time_unix=now, current_round=current)
+        now, current, closed = self.coordinator.heartbeat(self._client(context))
+        return pb.HeartbeatReply(server_time_unix=now, current_round=current, last_closed_round=closed)
 
     @_rpc
     def GetTask(self, request: pb.GetTaskRequest, context: grpc.ServicerContext) -> pb.Task:
@@ -148,23 +148,25 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         try:
             client = self._client(context)
             held = {v.name: v.version for v in request.held}
+            round_ = self.coordinator.download_round(request.round if request.HasField("round") else None)
             model, control = self.coordinator.fetch_encoded(client, held, request.include_server_control)
         except Exception as exc:
             if _is_abort(exc):
                 raise
             _handle(context, exc, "FetchModel")
-        sent = 0
+        sent: dict[str, int] = {}
         try:
             for kind, tensors in ((pb.TENSOR_KIND_MODEL, model), (pb.TENSOR_KIND_SERVER_CONTROL, control)):
                 for encoded in tensors:  # encoded and cut once per version by the coordinator, shared by fetches
                     for chunk in encoded.chunks:
                         yield wire.from_chunk(chunk, kind)
-                        sent += len(chunk.data)
+                        sent[encoded.name] = sent.get(encoded.name, 0) + len(chunk.data)
         finally:
+            total = sum(sent.values())
             try:
-                self.coordinator.record_download(client, sent)
+                self.coordinator.record_download(client, total, sent, round_)
             except Exception:
-                log.exception(kv("record_download_failed", client=client.id, bytes=sent))
+                log.exception(kv("record_download_failed", client=client.id, bytes=total))
 
     @_rpc
     def PushUpdate(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
@@ -175,10 +177,12 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         header = first.header
         model = codec.Reassembler(max_total_bytes=self.push_limit)
         control: codec.Reassembler | None = None
+        tensor_bytes: dict[str, int] = {}
         for msg in request_iterator:
             if msg.WhichOneof("payload") != "chunk":
                 raise InvalidArgument("PushHeader sent twice: only the first PushMessage carries the header")
             chunk = msg.chunk
+            tensor_bytes[chunk.name] = tensor_bytes.get(chunk.name, 0) + len(chunk.data)
             if chunk.kind == pb.TENSOR_KIND_MODEL:
                 if control is not None:
                     raise InvalidArgument(f"model tensor {chunk.name!r} after control deltas: send model tensors first")
@@ -204,6 +208,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             tensors,
             deltas,
             nbytes=nbytes,
+            tensor_bytes=tensor_bytes,
         )
         return pb.PushReply(
             accepted=result.accepted, duplicate=result.duplicate, round=result.round, message=result.message

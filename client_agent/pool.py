@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from aggregator_service.rounds import client_key
 from client_agent.state import ClientState
 from fedcore.data import ArrayDataset, local_test_splits, partition
 
@@ -50,10 +51,9 @@ def make_virtual_clients(
         seed=seed,
     )
     tests = local_test_splits(train.labels_numpy(), test.labels_numpy(), parts, seed=seed)
-    width = len(str(num_clients - 1))
     return [
         VirtualClient(
-            ClientState(client_id=f"client-{i:0{width}d}", tier=float(tiers[i % len(tiers)])),
+            ClientState(client_id=client_key(i), tier=float(tiers[i % len(tiers)])),
             train.subset(np.asarray(idx)),
             test.subset(np.asarray(tidx)),
         )

@@ -174,12 +174,16 @@ class Client(Base):
     __table_args__ = (
         Index(None, "federation_id", "last_seen"),
         Index(None, "federation_id", "registered_at"),
+        Index(None, "federation_id", "number", unique=True),
         CheckConstraint("bytes_up >= 0 AND bytes_down >= 0 AND rounds_joined >= 0", name="counters"),
     )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True)  # uuid4 hex
     federation_id: Mapped[int] = mapped_column(ForeignKey("federations.id", ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(128))
+    # Registration order within the federation (0, 1, …): the engine samples cohorts, seeds local
+    # training and folds updates by it, so a run through gRPC repeats an in-process run exactly.
+    number: Mapped[int] = mapped_column(Integer)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the bearer token
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     profile: Mapped[dict[str, Any]] = mapped_column("profile_json", JSONText)

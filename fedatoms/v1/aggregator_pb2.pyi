@@ -67,12 +67,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("server_time_unix", "current_round")
+    __slots__ = ("server_time_unix", "current_round", "last_closed_round")
     SERVER_TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
+    LAST_CLOSED_ROUND_FIELD_NUMBER: _ClassVar[int]
     server_time_unix: float
     current_round: int
-    def __init__(self, server_time_unix: _Optional[float] = ..., current_round: _Optional[int] = ...) -> None: ...
+    last_closed_round: int
+    def __init__(self, server_time_unix: _Optional[float] = ..., current_round: _Optional[int] = ..., last_closed_round: _Optional[int] = ...) -> None: ...
 
 class GetTaskRequest(_message.Message):
     __slots__ = ()
@@ -150,12 +152,14 @@ class TensorVersion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("held", "include_server_control")
+    __slots__ = ("held", "include_server_control", "round")
     HELD_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_SERVER_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
     held: _containers.RepeatedCompositeFieldContainer[TensorVersion]
     include_server_control: bool
-    def __init__(self, held: _Optional[_Iterable[_Union[TensorVersion, _Mapping]]] = ..., include_server_control: _Optional[bool] = ...) -> None: ...
+    round: int
+    def __init__(self, held: _Optional[_Iterable[_Union[TensorVersion, _Mapping]]] = ..., include_server_control: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk")

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from aggregator_service import store
 from aggregator_service.aggregation import ClientUpdate
 from aggregator_service.config import FederationConfig
-from aggregator_service.rounds import Federation, RoundPlan
+from aggregator_service.rounds import Federation, RoundPlan, client_key
 from client_agent.state import ClientState
 from client_agent.update import ClientPush, TrainTask, run_task
 from fedatoms import wire
@@ -93,6 +93,7 @@ class Client:
     tier: float
     spec: ModelSpec
     data: ArrayDataset
+    key: str = ""  # the round engine's key: client_key(registration number)
     state: ClientState = field(init=False)
     pushed: dict[int, ClientPush] = field(default_factory=dict)
 
@@ -187,17 +188,27 @@ def register(
     return Client(stub, reply.client_id, reply.token, reply.tier, spec, data)
 
 
+def fill_keys(url: str, clients: Sequence[Client]) -> None:
+    """Set each client's engine key from its registration number in the database."""
+    engine = store.create_engine_for(url)
+    try:
+        with Session(engine) as s:
+            numbers = dict(s.execute(select(store.Client.id, store.Client.number)).all())
+    finally:
+        engine.dispose()
+    for c in clients:
+        c.key = client_key(numbers[c.client_id])
+
+
 def offline_round(
     config: FederationConfig, plan: RoundPlan, clients: Sequence[Client], num_clients_total: int
 ) -> Federation:
-    """Fold the clients' pushes for ``plan.round`` into a fresh in-process engine, in client-id order."""
+    """Fold the clients' pushes for ``plan.round`` into a fresh in-process engine, in registration order."""
     fed = config.build_federation(num_clients_total=num_clients_total)
     fed.begin(plan)
-    for c in sorted(clients, key=lambda c: c.client_id):
+    for c in sorted(clients, key=lambda c: c.key):
         push = c.pushed[plan.round]
-        fed.fold(
-            ClientUpdate(c.client_id, push.num_samples, c.tier, fed.tier_spec(c.tier), push.tensors, None, push.metrics)
-        )
+        fed.fold(ClientUpdate(c.key, push.num_samples, c.tier, fed.tier_spec(c.tier), push.tensors, None, push.metrics))
     fed.close()
     return fed
 

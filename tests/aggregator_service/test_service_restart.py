@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import torch
-from grpc_helpers import SECRET, free_port, global_tensors, offline_round, register, shards, wait_serving
+from grpc_helpers import SECRET, fill_keys, free_port, global_tensors, offline_round, register, shards, wait_serving
 
 from aggregator_service.config import FederationConfig
 from aggregator_service.rounds import RoundPlan
@@ -104,7 +104,8 @@ def test_sigkill_mid_round_then_restart_completes_the_round(tmp_path) -> None:
         batch_size=32,
         lr=0.05,
     )
-    cohort = tuple(sorted(c.client_id for c in clients))
+    fill_keys(url, clients)
+    cohort = tuple(sorted(c.key for c in clients))
     due = tuple(fed_config.spec.names)
     uninterrupted = offline_round(fed_config, RoundPlan(1, cohort, due, False), clients, num_clients_total=3)
     served = global_tensors(url)

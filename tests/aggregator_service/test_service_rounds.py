@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from grpc_helpers import global_tensors, offline_round, register, shards, small_federation
+from grpc_helpers import fill_keys, global_tensors, offline_round, register, shards, small_federation
 
 from aggregator_service.rounds import RoundPlan
 from fedatoms.v1 import aggregator_pb2 as pb
@@ -16,10 +16,11 @@ def _happy_path(start_service, url: str) -> None:
     svc = start_service(url)
     data = shards(2)
     clients = [register(svc.stub, 1.0, data[0]), register(svc.stub, 0.25, data[1])]
+    fill_keys(url, clients)
     tasks = {c.client_id: c.task() for c in clients}
     assert all(t.WhichOneof("kind") == "train" for t in tasks.values())
     plan = svc.coordinator.open_round
-    assert plan is not None and plan.round == 1 and set(plan.cohort) == {c.client_id for c in clients}
+    assert plan is not None and plan.round == 1 and set(plan.cohort) == {c.key for c in clients}
     # the task for the 1/4 tier names its factors; the seed is the simulator's
     low = next(c for c in clients if c.tier == 0.25)
     assert "conv2.coefficients_u" in tasks[low.client_id].train.due_tensors
@@ -69,6 +70,7 @@ def test_deadline_closes_with_quorum(start_service, sqlite_url) -> None:
     svc = start_service(sqlite_url, federation=small_federation(min_clients=3), quorum=0.5, deadline_seconds=60)
     data = shards(3, 60)
     clients = [register(svc.stub, t, d) for t, d in zip([1.0, 0.25, 1.0], data, strict=True)]
+    fill_keys(sqlite_url, clients)
     for c in clients:
         assert c.task().WhichOneof("kind") == "train"
     plan = svc.coordinator.open_round

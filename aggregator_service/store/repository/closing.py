@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from ..models import TRANSFER_DIRECTIONS, Client, Federation, Round, RoundMetrics, TensorMetric, Transfer
@@ -40,16 +40,38 @@ _TRANSFER_FIELDS = frozenset({"client_id", "direction", "bytes"})
 # --------------------------------------------------------------------------- transfers
 
 
-def record_transfer(session: Session, fed: Federation, round: int, client_id: str, direction: str, nbytes: int) -> None:
+def record_transfer(
+    session: Session,
+    fed: Federation,
+    round: int,
+    client_id: str,
+    direction: str,
+    nbytes: int,
+    per_tensor: Mapping[str, int] | None = None,
+) -> None:
     """Add ``nbytes`` to the client's transfer row for (round, direction) and to its lifetime counters.
 
     An atomic ``INSERT … ON CONFLICT DO UPDATE SET bytes = bytes + …``, so replicas serving
     fetches at the same time never lose an increment. Call it as bytes move (FetchModel,
-    PushUpdate), or pass the round's totals to :func:`close_round`.
+    PushUpdate), or pass the round's totals to :func:`close_round`. ``per_tensor`` (full-rank
+    tensor name → bytes) is added to the round's ``tensor_metrics`` rows the same way.
     """
     if direction not in TRANSFER_DIRECTIONS:
         raise ValueError(f"direction must be 'down' or 'up', got {direction!r}")
     nbytes = _count(nbytes, "bytes")
+    if per_tensor:
+        key = "bytes_down" if direction == "down" else "bytes_up"
+        rows = [
+            {"federation_id": fed.id, "round": round, "name": n, key: _count(b, f"bytes of {n!r}")}
+            for n, b in sorted(per_tensor.items())
+        ]
+        tm = _upsert(session)(TensorMetric).values(rows)
+        session.execute(
+            tm.on_conflict_do_update(
+                index_elements=["federation_id", "round", "name"],
+                set_={key: getattr(TensorMetric, key) + getattr(tm.excluded, key)},
+            )
+        )
     ins = _upsert(session)(Transfer).values(
         federation_id=fed.id, round=round, client_id=client_id, direction=direction, bytes=nbytes
     )
@@ -93,10 +115,14 @@ def _check_round_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
 
 def _check_tensor_metrics(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     out = []
+    seen: set[str] = set()
     for i, row in enumerate(rows):
         unknown = set(row) - TENSOR_METRIC_FIELDS
         if unknown or "name" not in row:
             raise ValueError(f"tensor_metrics[{i}]: needs 'name', unknown keys {sorted(unknown)}")
+        if row["name"] in seen:
+            raise ValueError(f"tensor_metrics[{i}]: tensor {row['name']!r} listed twice")
+        seen.add(row["name"])
         clean: dict[str, Any] = {"ordinal": i, **row}
         for key in ("d_l", "dispersion"):
             if key in clean:
@@ -201,8 +227,13 @@ def close_round(
     metrics_row.setdefault("duration_seconds", (t - rnd.opened_at).total_seconds())
     session.add(RoundMetrics(federation_id=row.id, round=round_number, **metrics_row))
     session.flush()
-    if tm_rows:
-        session.execute(insert(TensorMetric), [{"federation_id": row.id, "round": round_number, **r} for r in tm_rows])
+    for r in tm_rows:  # bytes already counted by record_transfer add up; everything else is set
+        tm = _upsert(session)(TensorMetric).values(federation_id=row.id, round=round_number, **r)
+        set_ = {k: getattr(tm.excluded, k) for k in r if k not in ("name", "bytes_down", "bytes_up")}
+        for k in ("bytes_down", "bytes_up"):
+            if k in r:
+                set_[k] = getattr(TensorMetric, k) + getattr(tm.excluded, k)
+        session.execute(tm.on_conflict_do_update(index_elements=["federation_id", "round", "name"], set_=set_))
 
     # -- the engine's state, and what comes next
     row.strategy_state = dict(strategy_state)

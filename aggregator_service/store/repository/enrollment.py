@@ -158,9 +158,13 @@ def register_client(
     t = _now(now)
     client_id = uuid.uuid4().hex
     token = secrets.token_urlsafe(32)
+    # next in registration order; a concurrent registration on another replica fails the unique
+    # index (federation_id, number) and the caller retries
+    number = session.scalar(select(func.coalesce(func.max(Client.number) + 1, 0)).where(Client.federation_id == fed.id))
     client = Client(
         id=client_id,
         federation_id=fed.id,
+        number=int(number or 0),
         name=name or f"client-{client_id[:8]}",
         token_hash=hash_token(token),
         profile=_json(dict(profile), "profile"),

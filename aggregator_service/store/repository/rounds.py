@@ -11,7 +11,7 @@ from sqlalchemy import delete, func, insert, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from ..models import Federation, Round, Update, UpdateTensor
+from ..models import Client, Federation, Round, Update, UpdateTensor
 from ._common import (
     NotFound,
     NotInCohort,
@@ -252,13 +252,16 @@ def store_update(
 def iter_round_updates(
     session: Session, fed: Federation, round: int
 ) -> Iterator[tuple[Update, dict[str, np.ndarray], dict[str, np.ndarray] | None]]:
-    """The round's updates one at a time, by client id: ``(header, tensors, control_delta or None)``.
+    """The round's updates one by one, in registration order: ``(header, tensors, control_delta or None)``.
 
     Only the ids are read up front; each update's blobs are fetched when it is reached, so
     memory stays O(one update) however many clients reported.
     """
     ids = session.scalars(
-        select(Update.id).where(Update.federation_id == fed.id, Update.round == round).order_by(Update.client_id)
+        select(Update.id)
+        .join(Client, Client.id == Update.client_id)
+        .where(Update.federation_id == fed.id, Update.round == round)
+        .order_by(Client.number)
     ).all()
     for pk in ids:
         header = session.get(Update, pk)

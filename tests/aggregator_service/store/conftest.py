@@ -96,6 +96,6 @@ def world(db: StoreDB) -> World:
         for i in range(3):
             client, token = store.register_client(s, fed, {"device": f"dev{i}"}, 1.0, now=T0)
             tokens[client.id] = token
-        clients = sorted(tokens)
+        clients = list(tokens)  # registration order: the order rounds fold updates in
         store.open_round(s, fed, 1, clients, ["w"], False, T0 + timedelta(minutes=5), now=T0)
     return World(fed, clients, tokens)

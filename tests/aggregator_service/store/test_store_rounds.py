@@ -112,10 +112,10 @@ def test_close_round_is_atomic_when_a_constraint_fails_midway(db, world):
     before = _snapshot(db, world)
     executed: list[str] = []
     event.listen(db.engine, "before_cursor_execute", lambda c, cur, stmt, *r: executed.append(stmt.split()[0]))
-    bad_metrics = [{"name": "w", "interval": 2}, {"name": "w", "interval": 2}]  # same primary key twice
+    ghost = [{"client_id": "no-such-client", "direction": "up", "bytes": 1}]  # violates the clients foreign key
     with pytest.raises(IntegrityError):
         with db.factory.begin() as s:
-            store.close_round(s, world.fed, 1, **_close_kwargs(world, tensor_metrics=bad_metrics))
+            store.close_round(s, world.fed, 1, **_close_kwargs(world, transfers=ghost))
     # the failure came after the tensors, the round and the updates had been written
     assert {"UPDATE", "DELETE", "INSERT"} <= set(executed)
     assert _snapshot(db, world) == before
@@ -140,6 +140,7 @@ def test_close_round_validates_before_writing(db, world):
         ({"intervals": {"nope": 2}}, "not global tensors"),
         ({"transfers": [{"client_id": "x", "direction": "sideways", "bytes": 1}]}, "direction"),
         ({"tensor_metrics": [{"name": "w", "d_l": float("nan")}]}, "finite"),
+        ({"tensor_metrics": [{"name": "w"}, {"name": "w"}]}, "twice"),
         ({"next_round": 1}, "next_round"),
         ({"policy_state": {"d": float("inf")}}, "standard JSON"),
     ]

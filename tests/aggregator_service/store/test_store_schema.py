@@ -42,10 +42,10 @@ def test_upgrade_creates_every_table_and_is_idempotent(db_url):
 
     store.upgrade(db_url)
     assert _tables(db_url) == TABLES == set(store.Base.metadata.tables)
-    assert store.current_revision(db_url) == store.head_revision() == "0001_initial"
+    assert store.current_revision(db_url) == store.head_revision() == "0002_client_number"
 
     store.upgrade(db_url)  # a second start-up migrates nothing and fails nothing
-    assert store.current_revision(db_url) == "0001_initial"
+    assert store.current_revision(db_url) == "0002_client_number"
     assert _tables(db_url) == TABLES
 
 
@@ -120,3 +120,40 @@ def test_sqlite_foreign_keys_cascade(db, world):
     with db.factory() as s:
         assert s.scalar(select(func.count()).select_from(store.Client)) == 0
         assert s.scalar(select(func.count()).select_from(store.Round)) == 0
+
+
+def test_upgrade_from_0001_numbers_existing_clients_by_registration(db_url):
+    """A database written before clients had numbers gets them in registration order, per federation."""
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import text
+
+    store.upgrade(db_url, "0001_initial")
+    engine = store.create_engine_for(db_url)
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    try:
+        with engine.begin() as conn:
+            for fid, name in ((1, "a"), (2, "b")):
+                conn.execute(
+                    text(
+                        "INSERT INTO federations (id, name, config_json, state, current_round, enrollment_secret_hash,"
+                        " strategy_state_json, policy_state_json, created_at, updated_at)"
+                        " VALUES (:id, :name, '{}', 'running', 1, 'x', '{}', '{}', :t, :t)"
+                    ),
+                    {"id": fid, "name": name, "t": t0},
+                )
+            for i, (cid, fid) in enumerate((("c3", 1), ("c1", 2), ("c2", 1), ("c0", 1))):
+                conn.execute(
+                    text(
+                        "INSERT INTO clients (id, federation_id, name, token_hash, profile_json, tier, registered_at,"
+                        " last_seen, rounds_joined, bytes_up, bytes_down) VALUES (:id, :f, :id, :h, '{}', 1.0, :t, :t,"
+                        " 0, 0, 0)"
+                    ),
+                    {"id": cid, "f": fid, "h": f"hash-{cid}", "t": t0 + timedelta(seconds=i)},
+                )
+        store.upgrade(db_url)
+        with engine.connect() as conn:
+            numbers = dict(conn.execute(text("SELECT id, number FROM clients")).all())
+    finally:
+        engine.dispose()
+    assert numbers == {"c3": 0, "c2": 1, "c0": 2, "c1": 0}
