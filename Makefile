@@ -24,6 +24,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/layers.py
 	$(PY) benchmarks/aggregation.py
 	$(PY) benchmarks/transport.py
+	$(PY) benchmarks/rounds.py
+	$(PY) benchmarks/dashboard.py
 
 proto: $(STAMP)
 	$(PY) -m fedatoms.protogen

@@ -202,12 +202,17 @@ class AggregatorSettings(BaseSettings):
     deadline_seconds: float = Field(default=300.0, gt=0.0)
     #: A client counts as online while its last call is fresher than this.
     heartbeat_timeout_seconds: float = Field(default=60.0, gt=0.0)
+    #: The retry-after a waiting client is told; unset: min(5 s, heartbeat_timeout / 4). Simulations
+    #: on one machine set it low so rounds follow each other without idle polling gaps.
+    poll_interval_seconds: float | None = Field(default=None, gt=0.0)
     #: Largest PushUpdate payload accepted; unset: 2 × the full model's float32 bytes.
     max_push_bytes: int | None = Field(default=None, gt=0)
     #: Server-side test set evaluated after every round (e.g. "digits"); unset: no server evaluation.
     eval_dataset: str | None = None
     eval_data_dir: str | None = None
     federation: FederationConfig = Field(default_factory=FederationConfig)
+    #: The ``[dashboard]`` table of a shared TOML file: `fedatoms dashboard serve` reads it, the aggregator does not.
+    dashboard: dict[str, Any] | None = None
 
     @field_validator("listen")
     @classmethod

@@ -304,22 +304,73 @@ class Coordinator:
         self._accepted_secrets.add(digest)  # PBKDF2 costs ~0.15 s: verify each secret once per process
 
     def authenticate(self, token: str) -> ClientInfo:
-        """The client holding ``token``; refreshes its last-seen time (at most every few seconds)."""
+        """The client holding ``token``; refreshes its last-seen time (at most every few seconds).
+
+        Every call reads the database (no cached tokens), so a revocation by any process (the
+        dashboard, ``fedatoms aggregator revoke``) refuses the very next call.
+        """
         if not token:
             raise Unauthenticated("missing bearer token: send metadata 'authorization: Bearer <token from Register>'")
         now = self.clock()
-        with self._factory.begin() as s:
-            client = s.scalar(select(store.Client).where(store.Client.token_hash == store.hash_token(token)))
-            if client is None or client.federation_id != self._fed_row.id:
+        c = store.Client
+        query = select(c.id, c.federation_id, c.revoked_at, c.tier, c.name, c.number, c.last_seen).where(
+            c.token_hash == store.hash_token(token)
+        )
+        with self._auth_serial(), self._factory.begin() as s:
+            row = s.execute(query).one_or_none()  # columns, not an ORM object: this runs for every RPC
+            if row is None or row.federation_id != self._fed_row.id:
                 raise Unauthenticated("unknown token: register again to get a new client id and token")
-            if client.revoked_at is not None:
-                raise Unauthenticated(f"token revoked for client {client.id}: the operator removed this client")
-            info = ClientInfo(client.id, float(client.tier), client.name, client_key(client.number))
-            last = self._touched.get(client.id)
-            if last is None or now - last >= self._touch_every:
-                store.touch_client(s, client, now)
-                self._touched[client.id] = now
-        return info
+            if row.revoked_at is not None:
+                raise Unauthenticated(f"token revoked for client {row.id}: the operator removed this client")
+            self._touch(s, row.id, row.last_seen, now)
+        return ClientInfo(row.id, float(row.tier), row.name, client_key(row.number))
+
+    # Last-seen refreshes are written behind, batched: each write is a commit (an fsync on SQLite,
+    # ~5 ms), so 1,000 polling clients touched one by one serialize on the write lock.
+    _TOUCH_BATCH = timedelta(seconds=1)
+    _touch_guard = threading.Lock()  # class-wide on purpose: it only guards the swaps of the two fields below
+    _pending_touches: dict[str, datetime] | None = None  # client id → last seen, not yet written
+    _pending_since: datetime | None = None
+    _sqlite_guard = threading.Lock()  # class-wide too: see _auth_serial
+
+    def _auth_serial(self) -> Any:  # a context manager (Any: this file's imports are shared with other work)
+        """On SQLite, one token lookup at a time per process.
+
+        Every SQLite transaction here starts with ``BEGIN IMMEDIATE``; concurrent lookups would
+        meet at the write lock and wait in SQLite's busy handler, which sleeps 1…100 ms between
+        tries (that was GetTask's p99). A Python lock hands over at once. PostgreSQL needs none.
+        """
+        from contextlib import nullcontext
+
+        bind = self._factory.kw.get("bind")
+        return self._sqlite_guard if bind is not None and bind.dialect.name == "sqlite" else nullcontext()
+
+    def _touch(self, s: Session, client_id: str, last_seen: datetime, now: datetime) -> None:
+        """Refresh a client's last-seen time (at most every ``_touch_every``), in ``s`` or batched.
+
+        A refresh is only deferred while the stored time is well inside the heartbeat timeout
+        (younger than half of it), so the database never shows an active client as offline;
+        deferred refreshes are written together, by the first due refresh that finds the oldest
+        one ``_TOUCH_BATCH`` old (or that must be written at once).
+        """
+        last = self._touched.get(client_id)
+        if last is not None and now - last < self._touch_every:
+            return
+        self._touched[client_id] = now
+        fresh = now - last_seen < timedelta(seconds=self.settings.heartbeat_timeout_seconds / 2)
+        with self._touch_guard:
+            pending = self._pending_touches if self._pending_touches is not None else {}
+            pending[client_id] = now
+            since = self._pending_since = self._pending_since or now
+            due = not fresh or now - since >= self._TOUCH_BATCH
+            if due:
+                self._pending_touches, self._pending_since = {}, None
+            else:
+                self._pending_touches = pending
+        if due:
+            from sqlalchemy import update  # (local: this file's imports are shared with other work)
+
+            s.execute(update(store.Client), [{"id": cid, "last_seen": t} for cid, t in pending.items()])
 
     def heartbeat(self, client: ClientInfo) -> tuple[float, int, int]:
         """``(server time, current round, last closed round)``; :meth:`authenticate` refreshed last-seen."""
@@ -334,6 +385,8 @@ class Coordinator:
         return max(1, math.ceil(self.settings.quorum * cohort_size - 1e-9))
 
     def _retry(self) -> float:
+        if self.settings.poll_interval_seconds is not None:
+            return float(self.settings.poll_interval_seconds)
         return float(min(5.0, self.settings.heartbeat_timeout_seconds / 4))
 
     def get_task(self, client: ClientInfo) -> Wait | Train | Done:
@@ -354,6 +407,8 @@ class Coordinator:
                 return Wait(self._retry(), f"round {r} update received; waiting for the round to close")
             fed = self.federation
             config = dict(fed.strategy.client_config())
+            if self.config.fp16:  # push in fp16 too, as the in-process transport does
+                config["fp16_transport"] = True
             local = fed.local_tier_tensors(client.tier)
             return Train(
                 round=r,

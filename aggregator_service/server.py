@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
-from aggregator_service.coordinator import ClientInfo, Coordinator, Done, Train, kv
+from aggregator_service.coordinator import ClientInfo, Coordinator, Done, EncodedTensor, Train, kv
 from aggregator_service.errors import InvalidArgument, ServiceError, Unauthenticated
 from fedatoms import wire
 from fedatoms.v1 import aggregator_pb2 as pb
@@ -83,6 +83,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.settings = settings
         self.push_limit = settings.push_limit
         self.fp16 = settings.federation.fp16
+        # (tier, kind, name) → (the coordinator's EncodedTensor, its serialized frames); see _frames
+        self._wire_cache: dict[tuple[float, int, str], tuple[EncodedTensor, tuple[tuple[bytes, int], ...]]] = {}
 
     def _client(self, context: grpc.ServicerContext) -> ClientInfo:
         values = [v for k, v in context.invocation_metadata() if k == "authorization"]
@@ -144,7 +146,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             return pb.Task(done=pb.Task.Done(reason=task.reason, final_round=task.final_round))
         return pb.Task(wait=pb.Task.Wait(retry_after_seconds=task.retry_after, reason=task.reason))
 
-    def FetchModel(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorChunk]:
+    def FetchModel(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """Streams serialized ``TensorChunk`` messages (bytes, framed once per version: see :meth:`_frames`)."""
         try:
             client = self._client(context)
             held = {v.name: v.version for v in request.held}
@@ -158,15 +161,30 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         try:
             for kind, tensors in ((pb.TENSOR_KIND_MODEL, model), (pb.TENSOR_KIND_SERVER_CONTROL, control)):
                 for encoded in tensors:  # encoded and cut once per version by the coordinator, shared by fetches
-                    for chunk in encoded.chunks:
-                        yield wire.from_chunk(chunk, kind)
-                        sent[encoded.name] = sent.get(encoded.name, 0) + len(chunk.data)
+                    for frame, nbytes in self._frames(client.tier, kind, encoded):
+                        yield frame
+                        sent[encoded.name] = sent.get(encoded.name, 0) + nbytes
         finally:
             total = sum(sent.values())
             try:
                 self.coordinator.record_download(client, total, sent, round_)
             except Exception:
                 log.exception(kv("record_download_failed", client=client.id, bytes=total))
+
+    def _frames(self, tier: float, kind: int, encoded: EncodedTensor) -> tuple[tuple[bytes, int], ...]:
+        """``encoded``'s chunks as serialized ``TensorChunk`` messages with their payload sizes, built once per version.
+
+        FetchModel's serializer passes ``bytes`` through (:func:`_serialize_response`), so concurrent
+        and repeated fetches send the same frames instead of building and serializing ~45 messages
+        of 1 MiB each per fetch. A new version is a new ``EncodedTensor`` object, which misses.
+        """
+        key = (tier, kind, encoded.name)
+        hit = self._wire_cache.get(key)
+        if hit is not None and hit[0] is encoded:
+            return hit[1]
+        frames = tuple((wire.from_chunk(c, kind).SerializeToString(), len(c.data)) for c in encoded.chunks)
+        self._wire_cache[key] = (encoded, frames)  # a race only builds the same frames twice
+        return frames
 
     @_rpc
     def PushUpdate(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
@@ -182,15 +200,16 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             if msg.WhichOneof("payload") != "chunk":
                 raise InvalidArgument("PushHeader sent twice: only the first PushMessage carries the header")
             chunk = msg.chunk
-            tensor_bytes[chunk.name] = tensor_bytes.get(chunk.name, 0) + len(chunk.data)
+            piece = wire.to_chunk(chunk)  # reading .data copies the payload: read it once
+            tensor_bytes[piece.name] = tensor_bytes.get(piece.name, 0) + len(piece.data)
             if chunk.kind == pb.TENSOR_KIND_MODEL:
                 if control is not None:
                     raise InvalidArgument(f"model tensor {chunk.name!r} after control deltas: send model tensors first")
-                model.add(wire.to_chunk(chunk))
+                model.add(piece)
             elif chunk.kind == pb.TENSOR_KIND_CONTROL_DELTA:
                 if control is None:
                     control = codec.Reassembler(max_total_bytes=max(0, self.push_limit - model.bytes_received))
-                control.add(wire.to_chunk(chunk))
+                control.add(piece)
             else:
                 raise InvalidArgument(
                     f"tensor {chunk.name!r}: chunk kind {wire.KIND_NAMES.get(chunk.kind, chunk.kind)} cannot be "
@@ -251,6 +270,35 @@ def _credentials(settings: AggregatorSettings) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
+def _serialize_response(message: Any) -> bytes:
+    """Responses are messages, or ``bytes`` already serialized once and shared (FetchModel's cached frames)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _add_servicer(servicer: AggregatorServicer, server: grpc.Server) -> None:
+    """What ``add_AggregatorServicer_to_server`` does, but with :func:`_serialize_response` for every method.
+
+    Built from the service descriptor, so every RPC the proto declares is served (a test checks it).
+    """
+    service = pb.DESCRIPTOR.services_by_name["Aggregator"]
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {
+        m.name: kinds[(m.client_streaming, m.server_streaming)](
+            getattr(servicer, m.name),
+            request_deserializer=getattr(pb, m.input_type.name).FromString,
+            response_serializer=_serialize_response,
+        )
+        for m in service.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def build_server(
     settings: AggregatorSettings, coordinator: Coordinator | None = None, *, max_workers: int = 32
 ) -> tuple[grpc.Server, int, Coordinator]:
@@ -266,7 +314,7 @@ def build_server(
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    pb_grpc.add_AggregatorServicer_to_server(AggregatorServicer(coordinator, settings), server)
+    _add_servicer(AggregatorServicer(coordinator, settings), server)
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

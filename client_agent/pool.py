@@ -1,22 +1,39 @@
-"""Many virtual clients in one process, for simulation.
+"""Many virtual clients on one machine, for simulation.
 
 Each virtual client has its own :class:`ClientState`, data shard and local test split and
-runs exactly the client code of a real agent (:func:`client_agent.update.run_task`); only
-the transport differs.
+runs exactly the client code of a real agent (:func:`client_agent.update.run_task`). The
+in-process transport calls it directly; :func:`run_grpc_pool` gives every virtual client a
+real :class:`client_agent.agent.Agent` (own channel, own state directory) and spreads them
+over worker processes.
+
+A worker is a plain function of picklable arguments (:func:`run_worker` on a
+:class:`WorkerJob`), so the same jobs can later be handed to Ray tasks instead of a process
+pool. Inside a worker, every agent has a thread (network waits overlap; training and
+evaluation take turns on one lock, one torch thread per process); each agent seeds its
+training by (seed, round, client) from the server's task and the server folds updates in
+registration order, so results do not depend on which worker ran which client, or when.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from aggregator_service.rounds import client_key
 from client_agent.state import ClientState
-from fedcore.data import ArrayDataset, local_test_splits, partition
+from fedcore.data import ArrayDataset, load_dataset, local_test_splits, partition
+from fedcore.tiers import CapabilityProfile
 
-__all__ = ["VirtualClient", "make_virtual_clients"]
+__all__ = ["Population", "VirtualClient", "WorkerJob", "make_virtual_clients", "register_all", "run_grpc_pool"]
+
+log = logging.getLogger("fedatoms.pool")
 
 
 @dataclass
@@ -59,3 +76,172 @@ def make_virtual_clients(
         )
         for i, (idx, tidx) in enumerate(zip(parts, tests, strict=True))
     ]
+
+
+@dataclass(frozen=True)
+class Population:
+    """How to rebuild the virtual clients anywhere: the dataset and the partition, all picklable."""
+
+    dataset: str
+    data_dir: str | None
+    num_clients: int
+    tiers: tuple[float, ...]
+    partition: str
+    classes_per_client: int
+    dirichlet_alpha: float
+    seed: int
+
+    def build(self) -> list[VirtualClient]:
+        return self.clients(*load_dataset(self.dataset, self.data_dir))
+
+    def clients(self, train: ArrayDataset, test: ArrayDataset) -> list[VirtualClient]:
+        return make_virtual_clients(
+            train,
+            test,
+            self.num_clients,
+            self.tiers,
+            scheme=self.partition,
+            classes_per_client=self.classes_per_client,
+            dirichlet_alpha=self.dirichlet_alpha,
+            seed=self.seed,
+        )
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """The virtual clients one worker runs against one aggregator."""
+
+    target: str
+    population: Population
+    indices: tuple[int, ...]
+    state_root: str
+    tls_ca: str | None = None
+    torch_threads: int = 1
+    eval_poll_seconds: float = 0.05
+
+
+def state_dir(root: str | Path, index: int) -> Path:
+    return Path(root) / client_key(index)
+
+
+def register_all(
+    target: str,
+    population: Population,
+    clients: Sequence[VirtualClient],
+    enrollment_secret: str,
+    state_root: str | Path,
+    tls_ca: str | None = None,
+) -> list[str]:
+    """Register the virtual clients one by one, in index order, so their registration order is their index.
+
+    Each declares its shard size and its tier as ``preferred_tier``; credentials land in its state dir.
+    Clients that registered in an earlier run (credentials on disk) keep their identity.
+    """
+    from client_agent.agent import Agent
+    from client_agent.transport import AggregatorClient
+
+    ids = []
+    with AggregatorClient(target, tls_ca=Path(tls_ca) if tls_ca else None) as client:
+        for i, vc in enumerate(clients):
+            profile = CapabilityProfile(
+                device_name=f"virtual-{population.dataset}", num_samples=len(vc.train), preferred_tier=vc.state.tier
+            )
+            agent = Agent(
+                client,
+                state_dir(state_root, i),
+                vc.train,
+                profile=profile,
+                enrollment_secret=enrollment_secret,
+                name=client_key(i),
+            )
+            ids.append(agent.ensure_registered().client_id)
+    return ids
+
+
+def run_worker(job: WorkerJob) -> dict[str, int]:
+    """Run the job's agents until the federation is done; returns ``{client key: rounds trained}``."""
+    import torch
+
+    from client_agent.agent import Agent
+    from client_agent.transport import AggregatorClient
+
+    torch.set_num_threads(job.torch_threads)
+    clients = job.population.build()
+    compute = threading.Lock()  # one training at a time per process; network waits overlap
+    channel = AggregatorClient(job.target, tls_ca=Path(job.tls_ca) if job.tls_ca else None)
+    agents: dict[int, Agent] = {}
+    for i in job.indices:
+        vc = clients[i]
+        agent = Agent(
+            AggregatorClient.sharing(channel),
+            state_dir(job.state_root, i),
+            vc.train,
+            vc.test,
+            eval_poll_seconds=job.eval_poll_seconds,
+            compute_lock=compute,
+            durable=False,
+        )
+        agent.ensure_registered()
+        agents[i] = agent
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def drive(agent: Agent) -> None:
+        try:
+            while not stop.is_set():
+                delay = agent.step()
+                if delay is None:
+                    return
+                stop.wait(delay)
+        except BaseException as exc:  # surfaced to the parent below
+            errors.append(exc)
+            stop.set()
+
+    threads = [threading.Thread(target=drive, args=(a,), name=f"agent-{i}", daemon=True) for i, a in agents.items()]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        stop.set()
+        channel.close()
+    if errors:
+        raise errors[0]
+    return {client_key(i): a.state.rounds_joined for i, a in agents.items() if a.state is not None}
+
+
+def run_grpc_pool(
+    target: str,
+    population: Population,
+    state_root: str | Path,
+    *,
+    workers: int = 2,
+    tls_ca: str | None = None,
+    poll: Callable[[], None] | None = None,
+    eval_poll_seconds: float = 0.05,
+) -> dict[str, int]:
+    """Run every virtual client through ``workers`` processes until the federation is done.
+
+    The clients must be registered already (:func:`register_all`). ``poll`` is called about
+    twice a second while the workers run (progress reporting).
+    """
+    n = population.num_clients
+    workers = max(1, min(workers, n))
+    jobs = [
+        WorkerJob(target, population, tuple(range(w, n, workers)), str(state_root), tls_ca, 1, eval_poll_seconds)
+        for w in range(workers)
+    ]
+    ctx = mp.get_context("spawn")  # no forked gRPC or torch state
+    results: dict[str, int] = {}
+    with ctx.Pool(workers) as pool:
+        pending = [pool.apply_async(run_worker, (job,)) for job in jobs]
+        while pending:
+            for p in list(pending):
+                if p.ready():
+                    results.update(p.get())  # re-raises a worker's exception here
+                    pending.remove(p)
+            if poll is not None:
+                poll()
+            time.sleep(0.5)
+    return results

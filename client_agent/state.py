@@ -1,17 +1,44 @@
-"""What a client keeps between rounds, whatever the transport.
+"""What a client keeps between rounds, whatever the transport — and, for an agent, on disk.
 
 The global tensors it last fetched (with versions, so a fetch moves only what changed),
 the local values of tensors that were not synchronized yet (FedLAMA cohorts continue from
-them), its personal atoms and its SCAFFOLD control variate.
+them), its personal atoms and its SCAFFOLD control variate. An agent also keeps the update
+it trained but has not seen acknowledged (so a restart re-pushes it with the same
+``update_id``) and the round whose model it still has to evaluate.
+
+:meth:`ClientState.save` writes everything to one safetensors file (tensors) whose metadata
+holds the rest as JSON, through a temporary file and an atomic rename: a kill at any moment
+leaves either the previous state or the new one, never a mix.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-__all__ = ["ClientState"]
+__all__ = ["STATE_FILE", "ClientState", "PendingUpdate"]
+
+STATE_FILE = "state.safetensors"
+_FORMAT = 1
+
+
+@dataclass
+class PendingUpdate:
+    """A trained update not yet acknowledged: pushed again, with the same id, after a crash or a dropped link."""
+
+    round: int
+    update_id: str
+    num_samples: int
+    metrics: dict[str, float]
+    tensors: dict[str, Tensor]
+    control_delta: dict[str, Tensor] | None = None
+    fp16: bool = False  # the federation's transport precision, as the task said
 
 
 @dataclass
@@ -25,6 +52,9 @@ class ClientState:
     personal_atoms: dict[str, Tensor] | None = None
     control: dict[str, Tensor] | None = None
     rounds_joined: int = 0
+    pending: PendingUpdate | None = None
+    evaluate_round: int | None = None  # pushed for this round: evaluate the model it produces
+    last_round: int = 0  # the last round this client trained for
 
     def receive(self, fetched: dict[str, tuple[Tensor, int]]) -> None:
         for name, (tensor, version) in fetched.items():
@@ -37,3 +67,103 @@ class ClientState:
         if not continue_unsynced:
             self.unsynced.clear()
         return {**self.global_tensors, **self.unsynced, **self.local}
+
+    # ------------------------------------------------------------------ on disk
+
+    def _groups(self) -> dict[str, dict[str, Tensor] | None]:
+        p = self.pending
+        return {
+            "global": self.global_tensors,
+            "unsynced": self.unsynced,
+            "local": self.local,
+            "personal": self.personal_atoms,
+            "control": self.control,
+            "pending": p.tensors if p else None,
+            "pending_delta": p.control_delta if p else None,
+        }
+
+    def save(self, directory: str | Path, *, fsync: bool = True) -> Path:
+        """Write the whole state to ``directory/state.safetensors`` atomically (and durably with ``fsync``)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors: dict[str, Tensor] = {}
+        present = []
+        for group, values in self._groups().items():
+            if values is None:
+                continue
+            present.append(group)
+            for name, t in values.items():
+                tensors[f"{group}/{name}"] = t.detach().contiguous().clone()
+        p = self.pending
+        meta: dict[str, Any] = {
+            "format": _FORMAT,
+            "client_id": self.client_id,
+            "tier": self.tier,
+            "versions": self.versions,
+            "rounds_joined": self.rounds_joined,
+            "groups": present,
+            "evaluate_round": self.evaluate_round,
+            "last_round": self.last_round,
+            "pending": None
+            if p is None
+            else {
+                "round": p.round,
+                "update_id": p.update_id,
+                "num_samples": p.num_samples,
+                "metrics": p.metrics,
+                "fp16": p.fp16,
+            },
+        }
+        path = directory / STATE_FILE
+        tmp = directory / f".{STATE_FILE}.tmp"
+        save_file(tensors, str(tmp), metadata={"fedatoms": json.dumps(meta)})
+        if fsync:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> ClientState | None:
+        """The state saved in ``directory``, or ``None`` when there is none yet."""
+        path = Path(directory) / STATE_FILE
+        if not path.exists():
+            return None
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get("fedatoms")
+        if raw is None:
+            raise ValueError(f"{path} is not a fedatoms client state (no 'fedatoms' metadata)")
+        meta = json.loads(raw)
+        if meta.get("format") != _FORMAT:
+            raise ValueError(f"{path}: unsupported state format {meta.get('format')!r}")
+        groups: dict[str, dict[str, Tensor]] = {g: {} for g in meta["groups"]}
+        for key, tensor in load_file(str(path)).items():
+            group, _, name = key.partition("/")
+            groups.setdefault(group, {})[name] = tensor
+        state = cls(
+            client_id=meta["client_id"],
+            tier=float(meta["tier"]),
+            global_tensors=groups.get("global", {}),
+            versions={k: int(v) for k, v in meta["versions"].items()},
+            unsynced=groups.get("unsynced", {}),
+            local=groups.get("local", {}),
+            personal_atoms=groups.get("personal"),
+            control=groups.get("control"),
+            rounds_joined=int(meta["rounds_joined"]),
+            evaluate_round=meta.get("evaluate_round"),
+            last_round=int(meta.get("last_round", 0)),
+        )
+        p = meta.get("pending")
+        if p is not None:
+            state.pending = PendingUpdate(
+                round=int(p["round"]),
+                update_id=str(p["update_id"]),
+                num_samples=int(p["num_samples"]),
+                metrics={k: float(v) for k, v in p["metrics"].items()},
+                tensors=groups.get("pending", {}),
+                control_delta=groups.get("pending_delta"),
+                fp16=bool(p.get("fp16", False)),
+            )
+        return state

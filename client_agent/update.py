@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
+from tqdm import tqdm
 
 from client_agent.state import ClientState
 from fedcore.data import ArrayDataset
@@ -54,21 +55,33 @@ def run_task(
     task: TrainTask,
     train_data: ArrayDataset,
     personal_atoms: bool = False,
+    progress: bool = False,
 ) -> ClientPush:
+    """Train ``state`` for ``task``; with ``progress`` a bar advances per local epoch."""
     model = spec.build()
     model.load_state_dict(state.starting_point(task.continue_unsynced))
     if personal_atoms and state.personal_atoms is None:
         state.personal_atoms = {n: t.clone() for n, t in state.global_tensors.items() if spec.tensor(n).role == "atoms"}
     server_control = task.server_control if task.strategy.get("scaffold") else None
-    result = local_update(
-        model,
-        train_data,
-        task.config,
-        seed=task.seed,
-        server_control=server_control,
-        client_control=state.control if server_control is not None else None,
-        personal_atoms=state.personal_atoms if personal_atoms else None,
+    bar = (
+        tqdm(total=task.config.local_epochs, desc=f"round {task.round}", unit="epoch", leave=False)
+        if progress
+        else None
     )
+    try:
+        result = local_update(
+            model,
+            train_data,
+            task.config,
+            seed=task.seed,
+            server_control=server_control,
+            client_control=state.control if server_control is not None else None,
+            personal_atoms=state.personal_atoms if personal_atoms else None,
+            on_epoch=(lambda done, total: bar.update(1)) if bar is not None else None,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
     due, local = set(task.due), set(task.local)
     state.local = {n: t for n, t in result.tensors.items() if n in local}
     state.unsynced = {n: t for n, t in result.tensors.items() if n not in due and n not in local}
@@ -89,7 +102,7 @@ def run_task(
 def evaluate_client(state: ClientState, spec: ModelSpec, test_data: ArrayDataset) -> ClientEvaluation:
     """The current global model and, with personal atoms, the personalized model on local test data."""
     model = spec.build()
-    model.load_state_dict(state.global_tensors)
+    model.load_state_dict({**state.global_tensors, **state.local})
     glob = evaluate(model, test_data)
     personal = None
     if state.personal_atoms is not None:

@@ -33,7 +33,11 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     defaults = SimulationConfig()
     g = p.add_argument_group("federation (each flag may also be a key of --config TOML)")
     g.add_argument("--config", type=Path, help="TOML file with the same keys as the flags (flags win)")
-    g.add_argument("--transport", choices=["inprocess"], help="how clients talk to the aggregator")
+    g.add_argument(
+        "--transport",
+        choices=["inprocess", "grpc"],
+        help="inprocess: direct calls; grpc: a real aggregator and real client agents in worker processes",
+    )
     g.add_argument("--dataset", help=f"digits (bundled), mnist, fashion-mnist, cifar10, cifar100 [{defaults.dataset}]")
     g.add_argument("--data-dir", help="where torchvision datasets live")
     g.add_argument("--download", action="store_true", default=None, help="let torchvision download missing data")
@@ -121,11 +125,23 @@ def _print_summary(results: dict[str, Any]) -> None:
     print(f"  wall time              {s['wall_seconds']:.1f} s")
 
 
+def _grpc_options(args: argparse.Namespace) -> dict[str, Any]:
+    given = {
+        "server": args.server,
+        "database_url": args.database_url,
+        "enrollment_secret": args.enrollment_secret,
+        "workers": args.workers,
+        "state_dir": args.state_dir,
+        "tls_ca": args.tls_ca,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     from fedatoms.simulate import run_simulation, write_results
 
     config = _config_from_args(args)
-    results = run_simulation(config, progress=_progress_printer(config.rounds))
+    results = run_simulation(config, progress=_progress_printer(config.rounds), **_grpc_options(args))
     if config.output:
         write_results(results, config.output)
         print(f"results written to {config.output}")
@@ -148,13 +164,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from fedatoms.plots import plot_runs
     from fedatoms.simulate import SimulationConfig, run_simulation, write_results
 
-    out_dir = Path(args.output_dir)
+    out_dir = Path(args.output_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    db = out_dir / "demo.db"
+    for stale in (db, db.with_name("demo.db-wal"), db.with_name("demo.db-shm")):
+        stale.unlink(missing_ok=True)  # a demo starts a new federation
+    url = f"sqlite:///{db}"
     print(
-        "fedatoms demo: 20 clients on sklearn digits (2 classes each), filter atoms with personal atoms,\n"
-        f"FedLAMA intervals (τ'=1, φ=2), 4 capability tiers γ ∈ {{1, 1/2, 1/4, 1/8}}, {args.rounds} rounds, "
-        "in process.\n"
+        "fedatoms demo: an aggregator (gRPC, SQLite) and 20 client agents on sklearn digits (2 classes each),\n"
+        "filter atoms with personal atoms, FedLAMA intervals (τ'=1, φ=2), 4 capability tiers "
+        f"γ ∈ {{1, 1/2, 1/4, 1/8}}, {args.rounds} rounds.\n"
     )
+    from aggregator_service import store
+
+    store.upgrade(url)  # the dashboard reads the schema before the aggregator has started
+    dashboard = _start_dashboard(url, args.dashboard_port) if not args.no_dashboard else None
+    if dashboard is not None:
+        print(f"dashboard: {dashboard[0]}  (live while the demo runs)\n")
     config = SimulationConfig(
         dataset="digits",
         factorization="atoms-lowrank",
@@ -170,15 +196,51 @@ def cmd_demo(args: argparse.Namespace) -> int:
         phi=2,
         tiers=[1.0, 0.5, 0.25, 0.125],
         personal_atoms=True,
+        personal_epochs=3,
         seed=args.seed,
+        transport=args.transport,
         output=str(out_dir / "demo-results.json"),
     )
-    results = run_simulation(config, progress=_progress_printer(config.rounds))
+    options = {"database_url": url, "state_dir": str(out_dir / "clients")} if args.transport == "grpc" else {}
+    try:
+        results = run_simulation(config, progress=_progress_printer(config.rounds), **options)
+    finally:
+        if dashboard is not None:
+            dashboard[1]()
     write_results(results, out_dir / "demo-results.json")
     _print_summary(results)
     plot = plot_runs([out_dir / "demo-results.json"], out_dir / "demo.png")
     print(f"\nper-round JSON: {out_dir / 'demo-results.json'}\nplots:          {plot}")
+    if args.transport == "grpc":
+        print(f"database:       {url}")
+        print(f"dashboard:      .venv/bin/fedatoms dashboard serve --database-url {url}")
     return 0
+
+
+def _start_dashboard(url: str, port: int) -> tuple[str, Any] | None:
+    """The dashboard on a background thread, or None (with a note) when the port is taken."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from dashboard_api.app import create_app
+    from dashboard_api.settings import DashboardSettings
+
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            print(f"port {port} is taken: no dashboard for this demo (use --dashboard-port)")
+            return None
+    app = create_app(DashboardSettings(database_url=url))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="dashboard", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(10)
+
+    return f"http://127.0.0.1:{port}/", stop
 
 
 def _settings(args: argparse.Namespace) -> Any:
@@ -264,6 +326,119 @@ def _add_aggregator_commands(sub: Any) -> None:
     upgrade.set_defaults(func=cmd_db_upgrade)
 
 
+def cmd_client_run(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from client_agent.agent import EXIT_CODES, Agent
+    from client_agent.pool import Population
+    from client_agent.profile import declared_profile, measured_profile
+    from client_agent.transport import AggregatorClient, Backoff
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+    )
+    if not 0 <= args.partition_index < args.num_partitions:
+        raise ValueError(f"--partition-index must be in [0, {args.num_partitions}), got {args.partition_index}")
+    pop = Population(
+        args.dataset,
+        args.data_dir,
+        args.num_partitions,
+        (1.0,),
+        args.partition,
+        args.classes_per_client,
+        args.dirichlet_alpha,
+        args.seed,
+    )
+    vc = pop.build()[args.partition_index]
+    if args.profile is not None:
+        profile = declared_profile(args.profile, len(vc.train))
+    elif args.measure:
+        profile = measured_profile(len(vc.train), budget_ms=args.budget_ms)
+    else:
+        from fedcore.tiers import CapabilityProfile
+
+        profile = CapabilityProfile(num_samples=len(vc.train))
+    client = AggregatorClient(
+        args.server,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        backoff=Backoff(max_elapsed=args.give_up_after),
+    )
+    agent = Agent(
+        client,
+        args.state_dir,
+        vc.train,
+        vc.test,
+        profile=profile,
+        enrollment_secret=args.enrollment_secret or "",
+        name=args.name,
+        progress=not args.no_progress,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    code = agent.run(stop)
+    client.close()
+    if code == EXIT_CODES["unauthenticated"]:
+        print(
+            "fedatoms client: the aggregator refused this client (wrong enrollment secret, or the token was revoked)",
+            file=sys.stderr,
+        )
+    return code
+
+
+def _add_client_commands(sub: Any) -> None:
+    import os
+
+    client = sub.add_parser("client", help="run a client agent on an edge device")
+    client_sub = client.add_subparsers(dest="client_command", required=True)
+    run = client_sub.add_parser(
+        "run",
+        help="register (once), then train for the federation until it is done",
+        description="Exit codes: 0 done, 2 bad arguments, 3 refused by the aggregator (secret/token), "
+        "4 aggregator unreachable for --give-up-after seconds, 5 local training diverged, 130 interrupted.",
+    )
+    run.add_argument("--server", required=True, help="aggregator HOST:PORT")
+    run.add_argument(
+        "--enrollment-secret",
+        default=os.environ.get("FEDATOMS_ENROLLMENT_SECRET"),
+        help="the federation's enrollment secret (first run only) [FEDATOMS_ENROLLMENT_SECRET]",
+    )
+    run.add_argument("--dataset", default="digits", help="digits (bundled), mnist, fashion-mnist, cifar10, cifar100")
+    run.add_argument("--data-dir", help="where torchvision datasets live")
+    run.add_argument("--partition-index", type=int, required=True, help="which shard of the dataset is this device's")
+    run.add_argument("--num-partitions", type=int, default=10, help="how many shards the dataset is cut into [10]")
+    run.add_argument("--partition", default="shards", choices=["iid", "shards", "dirichlet"])
+    run.add_argument("--classes-per-client", type=int, default=2)
+    run.add_argument("--dirichlet-alpha", type=float, default=0.5)
+    run.add_argument("--seed", type=int, default=0, help="partition seed (the same on every device)")
+    run.add_argument("--state-dir", required=True, help="token, tensors and progress; reuse it to resume")
+    run.add_argument("--name", help="a label for the dashboard [the server makes one]")
+    g = run.add_mutually_exclusive_group()
+    g.add_argument("--profile", type=Path, help="declared capability profile (TOML with CapabilityProfile keys)")
+    g.add_argument("--measure", action="store_true", help="measure compute and memory before registering")
+    run.add_argument("--budget-ms", type=float, default=20.0, help="with --measure: training time per sample allowed")
+    run.add_argument("--tls-ca", type=Path, help="CA bundle that signed the aggregator's certificate (enables TLS)")
+    run.add_argument("--tls-cert", type=Path, help="client certificate, for mutual TLS")
+    run.add_argument("--tls-key", type=Path, help="client key, for mutual TLS")
+    run.add_argument(
+        "--give-up-after", type=float, default=None, help="exit 4 after this many seconds unreachable [never]"
+    )
+    run.add_argument("--no-progress", action="store_true", help="no progress bar per local epoch")
+    run.add_argument("-v", "--verbose", action="store_true")
+    run.set_defaults(func=cmd_client_run)
+
+
+def _add_dashboard_commands(sub: Any) -> None:
+    from dashboard_api.cli import add_parser
+
+    add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fedatoms",
@@ -274,6 +449,13 @@ def build_parser() -> argparse.ArgumentParser:
     sim = sub.add_parser("simulate", help="run a whole federation on this machine and record every round")
     _add_simulation_flags(sim)
     sim.add_argument("--quiet-json", action="store_true", help="do not print the summary JSON")
+    g = sim.add_argument_group("--transport grpc")
+    g.add_argument("--server", help="HOST:PORT of a running aggregator (default: start one on a loopback port)")
+    g.add_argument("--database-url", help="the aggregator's database [a new SQLite file, printed at start]")
+    g.add_argument("--enrollment-secret", help="with --server: that federation's secret")
+    g.add_argument("--workers", type=int, help="worker processes running the virtual clients [2]")
+    g.add_argument("--state-dir", help="where each virtual client keeps its state [a new temporary directory]")
+    g.add_argument("--tls-ca", help="with --server: CA bundle to verify the aggregator's certificate")
     sim.set_defaults(func=cmd_simulate)
 
     plot = sub.add_parser("plot", help="plot accuracy, bytes, dispersion and intervals of simulation results")
@@ -285,9 +467,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, default=20)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--output-dir", default="demo-output")
+    demo.add_argument("--transport", choices=["grpc", "inprocess"], default="grpc")
+    demo.add_argument("--dashboard-port", type=int, default=8080)
+    demo.add_argument("--no-dashboard", action="store_true")
     demo.set_defaults(func=cmd_demo)
 
     _add_aggregator_commands(sub)
+    _add_client_commands(sub)
+    _add_dashboard_commands(sub)
     return parser
 
 

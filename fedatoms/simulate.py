@@ -22,12 +22,13 @@ from aggregator_service.aggregation import ClientUpdate
 from aggregator_service.config import FederationConfig
 from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome, derive_seed
-from client_agent.pool import VirtualClient, make_virtual_clients
-from client_agent.update import TrainTask, run_task
+from client_agent.pool import Population, VirtualClient
+from client_agent.update import ClientEvaluation, TrainTask, evaluate_client, run_task
 from fedcore.codec import decode, encode
 from fedcore.data import INPUT_SHAPES, NUM_CLASSES, ArrayDataset, load_dataset
 from fedcore.models import model_info
-from fedcore.training import evaluate, personalized_model
+from fedcore.spec import ModelSpec
+from fedcore.training import evaluate
 
 __all__ = ["DEFAULT_MODELS", "SimulationConfig", "run_simulation"]
 
@@ -84,6 +85,20 @@ class SimulationConfig(FederationConfig):
         return cls(**data)
 
 
+def population(config: SimulationConfig) -> Population:
+    """The virtual clients of ``config``, as a recipe any process can rebuild."""
+    return Population(
+        config.dataset,
+        config.data_dir,
+        config.clients,
+        tuple(config.tiers),
+        config.partition,
+        config.classes_per_client,
+        config.dirichlet_alpha,
+        config.seed,
+    )
+
+
 def build_federation(config: SimulationConfig) -> Federation:
     return config.build_federation(num_clients_total=config.clients)
 
@@ -91,23 +106,28 @@ def build_federation(config: SimulationConfig) -> Federation:
 ProgressFn = Callable[[dict[str, Any]], None]
 
 
-def run_simulation(config: SimulationConfig, progress: ProgressFn | None = None) -> dict[str, Any]:
-    """Run ``config.rounds`` rounds in process and return ``{"config", "rounds", "summary"}``."""
+TRANSPORTS = ("inprocess", "grpc")
+
+
+def run_simulation(config: SimulationConfig, progress: ProgressFn | None = None, **grpc_options: Any) -> dict[str, Any]:
+    """Run ``config.rounds`` rounds and return ``{"config", "rounds", "summary"}``.
+
+    ``transport="grpc"`` goes through a real aggregator and real client agents
+    (:func:`fedatoms.simulate_grpc.run_grpc_simulation`, which takes ``grpc_options``);
+    both transports give the same record for the same seed.
+    """
+    if config.transport == "grpc":
+        from fedatoms.simulate_grpc import run_grpc_simulation
+
+        return run_grpc_simulation(config, progress, **grpc_options)
     if config.transport != "inprocess":
-        raise ValueError(f"transport {config.transport!r} is not available in this build; use 'inprocess'")
+        raise ValueError(f"unknown transport {config.transport!r}; choose one of {', '.join(TRANSPORTS)}")
+    if grpc_options:
+        raise ValueError(f"{', '.join(sorted(grpc_options))} only apply to --transport grpc")
     started = time.perf_counter()
     train, test = load_dataset(config.dataset, config.data_dir, download=config.download)
     federation = build_federation(config)
-    clients = make_virtual_clients(
-        train,
-        test,
-        config.clients,
-        config.tiers,
-        scheme=config.partition,
-        classes_per_client=config.classes_per_client,
-        dirichlet_alpha=config.dirichlet_alpha,
-        seed=config.seed,
-    )
+    clients = population(config).clients(train, test)
     by_id = {c.client_id: c for c in clients}
     train_config = config.train_config(device=config.device)
     fedavg_bytes_per_client = fedavg_equivalent_bytes(config.spec, 1)
@@ -123,11 +143,7 @@ def run_simulation(config: SimulationConfig, progress: ProgressFn | None = None)
         server_control = federation.strategy.server_control() if control.get("scaffold") else None
         for cid in plan.cohort:  # fixed fold order: sorted client ids
             vc = by_id[cid]
-            tier_spec = federation.tier_spec(vc.state.tier)
-            owner = {t.name: t.full_name or t.name for t in tier_spec.tensors}
-            fetched = federation.fetch(vc.state.tier, vc.state.versions)
-            received = _send({n: t for n, (t, _) in fetched.items()}, config.fp16, down, owner)
-            vc.state.receive({n: (received[n], v) for n, (_, v) in fetched.items()})
+            tier_spec, owner = _fetch(federation, vc, config.fp16, down)
             task = TrainTask(
                 round=r,
                 due=federation.tier_due(vc.state.tier, plan.due),
@@ -152,7 +168,13 @@ def run_simulation(config: SimulationConfig, progress: ProgressFn | None = None)
                 )
             )
         outcome = federation.close()
-        record = _round_record(config, federation, outcome, test, [by_id[c] for c in plan.cohort], down, up)
+        # as an agent does once the round closed: fetch the new model (bytes count toward this round), evaluate it
+        evaluations = []
+        for cid in plan.cohort:
+            vc = by_id[cid]
+            tier_spec, _ = _fetch(federation, vc, config.fp16, down)
+            evaluations.append(evaluate_client(vc.state, tier_spec, vc.test))
+        record = _round_record(config, federation, outcome, test, evaluations, down, up)
         record["fedavg_equivalent_bytes"] = fedavg_bytes_per_client * len(plan.cohort)
         record["wall_seconds"] = round(time.perf_counter() - t0, 4)
         for key in totals:
@@ -161,7 +183,7 @@ def run_simulation(config: SimulationConfig, progress: ProgressFn | None = None)
         records.append(record)
         if progress is not None:
             progress(record)
-    summary = _summary(records, totals, time.perf_counter() - started)
+    summary = summarize(records, totals, time.perf_counter() - started)
     return {"config": config.to_dict(), "rounds": records, "summary": summary}
 
 
@@ -170,23 +192,15 @@ def _round_record(
     federation: Federation,
     outcome: RoundOutcome,
     test: ArrayDataset,
-    cohort: list[VirtualClient],
+    evaluations: list[ClientEvaluation],
     down: Mapping[str, int],
     up: Mapping[str, int],
 ) -> dict[str, Any]:
     full_model = federation.spec.build()
     full_model.load_state_dict(federation.global_tensors)
-    server_eval = evaluate(full_model, test)
-    local_acc, personal_acc = [], []
-    models: dict[float, torch.nn.Module] = {}
-    for vc in cohort:
-        tier_model = models.get(vc.state.tier) or models.setdefault(
-            vc.state.tier, federation.tier_spec(vc.state.tier).build()
-        )
-        tier_model.load_state_dict({**federation.tier_tensors(vc.state.tier), **vc.state.local})
-        local_acc.append(evaluate(tier_model, vc.test).accuracy)
-        if vc.state.personal_atoms is not None:
-            personal_acc.append(evaluate(personalized_model(tier_model, vc.state.personal_atoms), vc.test).accuracy)
+    server_eval = evaluate(full_model, test, device="cpu")
+    local_acc = [e.global_accuracy for e in evaluations]
+    personal_acc = [e.personalized_accuracy for e in evaluations if e.personalized_accuracy is not None]
     tensors = {
         t.name: {
             "role": t.role,
@@ -206,7 +220,7 @@ def _round_record(
         "reported": outcome.reported,
         "test_accuracy": server_eval.accuracy,
         "test_loss": server_eval.loss,
-        "local_accuracy": sum(local_acc) / len(local_acc) if local_acc else None,
+        "local_accuracy": mean_or_none(local_acc),
         "bytes_up": sum(up.values()),
         "bytes_down": sum(down.values()),
         # BN statistics (and step counters) would swamp the weights' dispersion: they are reported per tensor only
@@ -218,8 +232,25 @@ def _round_record(
         "tensors": tensors,
     }
     if config.personal_atoms:
-        record["personalized_accuracy"] = sum(personal_acc) / len(personal_acc) if personal_acc else None
+        record["personalized_accuracy"] = mean_or_none(personal_acc)
     return record
+
+
+def _fetch(
+    federation: Federation, vc: VirtualClient, fp16: bool, down: dict[str, int]
+) -> tuple[ModelSpec, dict[str, str]]:
+    """FetchModel, in process: the tensors newer than the client holds go through the codec into its state."""
+    tier_spec = federation.tier_spec(vc.state.tier)
+    owner = {t.name: t.full_name or t.name for t in tier_spec.tensors}
+    fetched = federation.fetch(vc.state.tier, vc.state.versions)
+    received = _send({n: t for n, (t, _) in fetched.items()}, fp16, down, owner)
+    vc.state.receive({n: (received[n], v) for n, (_, v) in fetched.items()})
+    return tier_spec, owner
+
+
+def mean_or_none(values: list[float]) -> float | None:
+    """The clients' mean (each client counts once, as personalized-FL papers report it)."""
+    return math.fsum(values) / len(values) if values else None
 
 
 def _send(
@@ -239,7 +270,7 @@ def _send(
     return out
 
 
-def _summary(records: list[dict[str, Any]], totals: Mapping[str, int], seconds: float) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], totals: Mapping[str, int], seconds: float) -> dict[str, Any]:
     last = records[-1]
     moved = totals["bytes_up"] + totals["bytes_down"]
     summary: dict[str, Any] = {

@@ -176,11 +176,14 @@ def decode(
     expected_dtype: str | None = None,
     allow_nonfinite: bool = False,
     max_bytes: int | None = None,
+    copy: bool = True,
 ) -> np.ndarray:
     """Validate and deserialize one tensor; returns a writable native-byte-order copy.
 
     A float16 payload is accepted where float32 or float64 is expected (fp16 transport) and is
-    upcast to the expected dtype.
+    upcast to the expected dtype. ``copy=False`` lets the result share ``data`` when no
+    conversion is needed; only for a writable buffer the caller hands over (a 45 MB model is
+    otherwise copied once more for nothing).
     """
     dims, size = _check_header(name, dtype, shape)
     if max_bytes is not None and max(size, len(data)) > max_bytes:
@@ -205,7 +208,7 @@ def decode(
         raise CodecError(name, "contains NaN or Inf values", "nonfinite")
     if dtype == "bool" and wire.size and np.frombuffer(data, dtype=np.uint8).max() > 1:
         raise CodecError(name, "bool payload holds bytes other than 0 and 1", "invalid_bool")
-    return wire.astype(DTYPES[target].newbyteorder("="), copy=True)
+    return wire.astype(DTYPES[target].newbyteorder("="), copy=copy or not wire.flags.writeable)
 
 
 def iter_chunks(name: str, encoded: EncodedTensor, version: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
@@ -229,12 +232,13 @@ class _Partial:
     shape: tuple[int, ...]
     version: int
     total_bytes: int
-    buf: bytearray
+    buf: bytearray  # preallocated to total_bytes: each chunk is copied once, into place
+    filled: int = 0
     chunks: int = 0
 
     @property
     def complete(self) -> bool:
-        return len(self.buf) == self.total_bytes
+        return self.filled == self.total_bytes
 
 
 class Reassembler:
@@ -253,6 +257,7 @@ class Reassembler:
         self._current: _Partial | None = None
         self._received = 0
         self._declared = 0
+        self._handed_over = False  # the first finish() returns arrays over the buffers themselves
 
     @property
     def bytes_received(self) -> int:
@@ -279,22 +284,21 @@ class Reassembler:
                 )
             if cur.complete and not chunk.data and chunk.offset == cur.total_bytes:
                 raise CodecError(chunk.name, "duplicate chunk after the tensor was complete", "duplicate")
-            if chunk.offset != len(cur.buf):
-                raise CodecError(
-                    chunk.name, f"chunk at offset {chunk.offset}, expected offset {len(cur.buf)}", "offset"
-                )
-        if not chunk.data and cur.total_bytes > 0:
+            if chunk.offset != cur.filled:
+                raise CodecError(chunk.name, f"chunk at offset {chunk.offset}, expected offset {cur.filled}", "offset")
+        n = len(chunk.data)
+        if not n and cur.total_bytes > 0:
             raise CodecError(chunk.name, f"empty chunk at offset {chunk.offset}", "empty_chunk")
-        if len(cur.buf) + len(chunk.data) > cur.total_bytes:
+        if cur.filled + n > cur.total_bytes:
             raise CodecError(
                 chunk.name,
-                f"oversized: chunk at offset {chunk.offset} with {len(chunk.data)} bytes runs past "
-                f"total_bytes {cur.total_bytes}",
+                f"oversized: chunk at offset {chunk.offset} with {n} bytes runs past total_bytes {cur.total_bytes}",
                 "oversized",
             )
-        cur.buf += chunk.data
+        cur.buf[cur.filled : cur.filled + n] = chunk.data  # same length: an in-place copy, never a resize
+        cur.filled += n
         cur.chunks += 1
-        self._received += len(chunk.data)
+        self._received += n
 
     def _start(self, chunk: Chunk) -> _Partial:
         prev = self._current
@@ -302,7 +306,7 @@ class Reassembler:
             if not prev.complete:
                 raise CodecError(
                     prev.name,
-                    f"truncated: stream moved on to {chunk.name!r} after {len(prev.buf)} of {prev.total_bytes} bytes",
+                    f"truncated: stream moved on to {chunk.name!r} after {prev.filled} of {prev.total_bytes} bytes",
                     "truncated",
                 )
             self._done[prev.name] = prev
@@ -326,7 +330,8 @@ class Reassembler:
         if chunk.offset != 0:
             raise CodecError(chunk.name, f"first chunk at offset {chunk.offset}, expected offset 0", "offset")
         self._declared += size
-        self._current = _Partial(chunk.name, chunk.dtype, dims, chunk.version, size, bytearray())
+        # calloc'd: pages are only touched as bytes arrive, so a declared-but-unsent tensor costs no memory
+        self._current = _Partial(chunk.name, chunk.dtype, dims, chunk.version, size, bytearray(size))
         return self._current
 
     def versions(self) -> dict[str, int]:
@@ -344,13 +349,14 @@ class Reassembler:
         """Decode everything received, checking names, shapes and dtypes against ``expected`` when given.
 
         Only names that arrived are returned: a name in ``expected`` that never arrived is not an
-        error here, because which tensors are due is the caller's decision.
+        error here, because which tensors are due is the caller's decision. The first call's
+        arrays use the receive buffers in place (no copy); a later call returns fresh copies.
         """
         cur = self._current
         if cur is not None:
             if not cur.complete:
                 raise CodecError(
-                    cur.name, f"truncated: stream ended after {len(cur.buf)} of {cur.total_bytes} bytes", "truncated"
+                    cur.name, f"truncated: stream ended after {cur.filled} of {cur.total_bytes} bytes", "truncated"
                 )
             self._done[cur.name] = cur
             self._current = None
@@ -370,5 +376,7 @@ class Reassembler:
                 expected_shape=exp_shape,
                 expected_dtype=exp_dtype,
                 allow_nonfinite=allow_nonfinite,
+                copy=self._handed_over,
             )
+        self._handed_over = True
         return out

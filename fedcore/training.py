@@ -214,6 +214,7 @@ def _sgd(
     seed: int,
     penalty: Callable[[], Tensor | None] | None = None,
     correction: Mapping[str, Tensor] | None = None,
+    on_epoch: Callable[[int, int], None] | None = None,
 ) -> _EpochStats:
     """Minibatch SGD on ``params`` with a fresh optimizer (momentum restarts every round).
 
@@ -250,6 +251,8 @@ def _sgd(
             if last:
                 loss_sum += loss.detach() * len(yb)
                 correct += (logits.detach().argmax(dim=1) == yb).sum()
+        if on_epoch is not None:
+            on_epoch(epoch + 1, epochs)
     return _EpochStats(float(loss_sum) / batches.n, float(correct) / batches.n, steps)
 
 
@@ -419,6 +422,7 @@ def local_update(
     server_control: Mapping[str, Tensor] | None = None,
     client_control: Mapping[str, Tensor] | None = None,
     personal_atoms: Mapping[str, Tensor] | None = None,
+    on_epoch: Callable[[int, int], None] | None = None,
 ) -> LocalResult:
     """One client's round of local training; ``model`` is trained in place on the resolved device.
 
@@ -467,7 +471,7 @@ def local_update(
     model.train()
     try:
         with _seeded(seed, device):
-            stats = _sgd(model, params, batches, config, config.local_epochs, seed, penalty, correction)
+            stats = _sgd(model, params, batches, config, config.local_epochs, seed, penalty, correction, on_epoch)
     finally:
         model.train(was_training)
 

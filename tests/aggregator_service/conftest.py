@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -11,16 +10,13 @@ from typing import Any
 import grpc
 import pytest
 from grpc_helpers import SECRET, small_federation
-from sqlalchemy import create_engine
-from sqlalchemy.engine import make_url
+from support import PG_ENV, postgres_schema
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.server import build_server
 from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
-
-PG_ENV = "FEDATOMS_TEST_POSTGRES_URL"
 
 
 @dataclass
@@ -47,20 +43,8 @@ def postgres_url() -> Iterator[str]:
     base = os.environ.get(PG_ENV)
     if not base:
         pytest.skip(f"{PG_ENV} not set: PostgreSQL service tests skipped")
-    schema = f"t_{uuid.uuid4().hex}"
-    admin = create_engine(base)
-    try:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-        yield (
-            make_url(base)
-            .update_query_dict({"options": f"-csearch_path={schema}"})
-            .render_as_string(hide_password=False)
-        )
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        admin.dispose()
+    with postgres_schema(base) as url:
+        yield url
 
 
 @pytest.fixture

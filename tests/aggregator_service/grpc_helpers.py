@@ -6,33 +6,30 @@ Real stubs on a real channel; the only thing it adds is bookkeeping the tests co
 
 from __future__ import annotations
 
-import json
-import socket
-import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
+from support import free_port, wait_serving  # noqa: F401  (re-exported for the service tests)
 
 from aggregator_service import store
 from aggregator_service.aggregation import ClientUpdate
 from aggregator_service.config import FederationConfig
 from aggregator_service.rounds import Federation, RoundPlan, client_key
 from client_agent.state import ClientState
-from client_agent.update import ClientPush, TrainTask, run_task
+from client_agent.transport import task_from_proto
+from client_agent.update import ClientPush, run_task
 from fedatoms import wire
 from fedatoms.v1 import aggregator_pb2 as pb
 from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
 from fedcore import codec
 from fedcore.data import ArrayDataset, load_dataset
 from fedcore.spec import ModelSpec
-from fedcore.training import TrainConfig
 
 SECRET = "test-enrollment-secret"
 
@@ -52,31 +49,6 @@ def small_federation(**overrides: Any) -> FederationConfig:
     )
     params.update(overrides)
     return FederationConfig(**params)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_serving(target: str, timeout: float = 60.0) -> None:
-    """Block until the server's grpc.health.v1 says SERVING."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service="fedatoms.v1.Aggregator"), timeout=2)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"aggregator on {target} not serving after {timeout:.0f} s")
-            time.sleep(0.2)
 
 
 def shards(n: int, per_client: int = 150) -> list[ArrayDataset]:
@@ -121,17 +93,7 @@ class Client:
 
     def train(self, task: pb.Task) -> ClientPush:
         t = task.train
-        strategy = json.loads(t.strategy_config_json)
-        local = tuple(strategy.pop("local_tensors", ()))
-        train_task = TrainTask(
-            round=t.round,
-            due=tuple(t.due_tensors),
-            config=TrainConfig.from_dict(json.loads(t.train_config_json)),
-            continue_unsynced=t.continue_unsynced,
-            seed=t.seed,
-            strategy=strategy,
-            local=local,
-        )
+        train_task = task_from_proto(t)
         push = run_task(self.state, self.spec, train_task, self.data, personal_atoms=t.personal_atoms)
         self.pushed[t.round] = push
         return push

@@ -477,3 +477,29 @@ def test_property_round_trip_through_chunks(
             np.testing.assert_allclose(out[name], arr, rtol=1e-3, atol=1e-3)
         else:
             np.testing.assert_array_equal(out[name], arr)
+
+
+def test_reassembler_first_finish_hands_over_its_buffers() -> None:
+    """The first finish() returns writable arrays over the receive buffers (no copy); a second one copies."""
+    a = np.arange(600_000, dtype=np.float32).reshape(600, 1000)
+    r = _reassemble(list(iter_chunks("w", encode(a), chunk_bytes=1 << 20)))
+    first = r.finish()["w"]
+    np.testing.assert_array_equal(first, a)
+    assert first.flags.writeable and first.dtype == np.float32
+    first[0, 0] = -1.0  # the caller owns it now
+    second = r.finish()["w"]
+    assert not np.shares_memory(first, second) and second.flags.writeable and second[0, 0] == -1.0
+
+
+def test_decode_without_copy_still_copies_read_only_or_converted_data() -> None:
+    """``copy=False`` may share a writable buffer only; bytes (read-only) and an fp16 upcast are fresh arrays."""
+    a = np.linspace(-1, 1, 12, dtype=np.float32)
+    data = encode(a).data
+    from_bytes = decode("x", "float32", (12,), data, copy=False)
+    assert from_bytes.flags.writeable
+    buf = bytearray(data)
+    shared = decode("x", "float32", (12,), buf, copy=False)
+    assert np.shares_memory(shared, np.frombuffer(buf, dtype=np.float32))
+    half = encode(a, fp16=True)
+    up = decode("x", "float16", (12,), bytearray(half.data), expected_dtype="float32", copy=False)
+    assert up.dtype == np.float32 and up.flags.writeable

@@ -1,0 +1,310 @@
+"""An edge device's loop: register once, then poll, fetch what changed, train, push, evaluate.
+
+:class:`Agent` is a small state machine driven by :meth:`Agent.step`, so one process can run
+one agent (``fedatoms client run``: :meth:`Agent.run` with a heartbeat thread) or many
+(:mod:`client_agent.pool`: a scheduler interleaves their steps). Every transition is saved
+to the state directory before the next network call, which gives the restart rules:
+
+- the token lives in ``credentials.json``: a restarted agent never registers again;
+- a trained update is saved with its ``update_id`` before it is pushed: after a crash or a
+  dropped link it is pushed again with the same id and the server counts it once;
+- a crash during training loses only that training: the server hands out the same task
+  (same seed) again, and the client's tensors were not yet overwritten on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+import torch
+
+from client_agent.state import ClientState, PendingUpdate
+from client_agent.transport import AggregatorClient, Unauthenticated, task_from_proto
+from client_agent.update import evaluate_client, run_task
+from fedatoms.v1 import aggregator_pb2 as pb
+from fedcore.data import ArrayDataset
+from fedcore.spec import ModelSpec
+from fedcore.tiers import CapabilityProfile
+
+__all__ = ["CREDENTIALS_FILE", "EXIT_CODES", "Agent", "Credentials", "TrainingDiverged"]
+
+log = logging.getLogger("fedatoms.client")
+
+CREDENTIALS_FILE = "credentials.json"
+#: ``fedatoms client run`` exit codes.
+EXIT_CODES = {
+    "done": 0,  # the federation finished
+    "usage": 2,  # bad flags, unreadable profile or data
+    "unauthenticated": 3,  # wrong enrollment secret, or the token was revoked / is unknown
+    "unreachable": 4,  # gave up after --give-up-after seconds of network failures
+    "diverged": 5,  # local training produced NaN/Inf: lower the federation's learning rate
+    "interrupted": 130,  # SIGINT / SIGTERM
+}
+
+
+class TrainingDiverged(RuntimeError):
+    """Local training produced NaN or Inf; pushing it would only be refused (INVALID_ARGUMENT)."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Who this device is to the aggregator; written once, readable by the owner only."""
+
+    client_id: str
+    token: str
+    tier: float
+    model_spec_json: str
+    federation: str
+    heartbeat_interval_seconds: float
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{CREDENTIALS_FILE}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.__dict__, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / CREDENTIALS_FILE)
+
+    @classmethod
+    def load(cls, directory: Path) -> Credentials | None:
+        path = directory / CREDENTIALS_FILE
+        if not path.exists():
+            return None
+        return cls(**json.loads(path.read_text()))
+
+
+class Agent:
+    """One client of the federation, durable in ``state_dir``."""
+
+    def __init__(
+        self,
+        client: AggregatorClient,
+        state_dir: str | Path,
+        train_data: ArrayDataset,
+        test_data: ArrayDataset | None = None,
+        *,
+        profile: CapabilityProfile | None = None,
+        enrollment_secret: str = "",
+        name: str | None = None,
+        progress: bool = False,
+        eval_poll_seconds: float = 1.0,
+        compute_lock: threading.Lock | None = None,
+        durable: bool = True,
+    ) -> None:
+        self.client = client
+        self.state_dir = Path(state_dir)
+        self.train_data = train_data
+        self.test_data = test_data
+        self.profile = profile or CapabilityProfile(num_samples=len(train_data))
+        self.enrollment_secret = enrollment_secret
+        self.name = name
+        self.progress = progress
+        self.eval_poll_seconds = eval_poll_seconds
+        # agents sharing a process take turns on the CPU, while their network waits overlap
+        self.compute_lock = compute_lock or threading.Lock()
+        self.durable = durable  # fsync every state save (a simulation's virtual clients skip it)
+        self.credentials: Credentials | None = None
+        self.spec: ModelSpec | None = None
+        self.state: ClientState | None = None
+        self.done_reason: str | None = None
+        self._save_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ identity
+
+    def ensure_registered(self) -> Credentials:
+        """Load the saved identity, or register (once) and save it."""
+        creds = Credentials.load(self.state_dir)
+        if creds is None:
+            reply, _ = self.client.register(self.profile, self.enrollment_secret, self.name)
+            creds = Credentials(
+                reply.client_id,
+                reply.token,
+                reply.tier,
+                reply.model_spec_json,
+                reply.federation,
+                reply.heartbeat_interval_seconds,
+            )
+            creds.save(self.state_dir)
+            log.info("event=registered client=%s tier=%g federation=%s", creds.client_id, creds.tier, creds.federation)
+        else:
+            log.info("event=resumed client=%s tier=%g", creds.client_id, creds.tier)
+        self.client.token = creds.token
+        self.credentials = creds
+        self.spec = ModelSpec.from_json(creds.model_spec_json)
+        state = ClientState.load(self.state_dir)
+        if state is not None and state.client_id != creds.client_id:
+            raise ValueError(
+                f"{self.state_dir}: state belongs to client {state.client_id}, credentials to {creds.client_id}"
+            )
+        self.state = state or ClientState(creds.client_id, creds.tier)
+        self._save()
+        return creds
+
+    def _save(self) -> None:
+        assert self.state is not None
+        with self._save_lock:
+            self.state.save(self.state_dir, fsync=self.durable)
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> float | None:
+        """Do the next piece of work; the seconds to wait before the next step, or ``None`` when done."""
+        if self.state is None:
+            self.ensure_registered()
+        s = self.state
+        assert s is not None
+        if s.pending is not None:
+            self._push_pending()
+            return 0.0
+        if s.evaluate_round is not None:
+            closed = self.client.heartbeat().last_closed_round
+            if closed < s.evaluate_round:
+                return self.eval_poll_seconds
+            self._evaluate(closed)
+            return 0.0
+        task = self.client.get_task()
+        kind = task.WhichOneof("kind")
+        if kind == "train":
+            self._train(task.train)
+            return 0.0
+        if kind == "done":
+            self.done_reason = task.done.reason
+            log.info("event=done reason=%s final_round=%d", json.dumps(task.done.reason), task.done.final_round)
+            return None
+        log.debug("event=wait reason=%s", json.dumps(task.wait.reason))
+        return max(0.0, task.wait.retry_after_seconds)
+
+    def _train(self, train: pb.Task.Train) -> None:
+        s, spec = self.state, self.spec
+        assert s is not None and spec is not None
+        task = task_from_proto(train)
+        scaffold = bool(task.strategy.get("scaffold"))
+        fetched = self.client.fetch(spec, s.versions, round_=train.round, include_server_control=scaffold)
+        s.receive(fetched.model)
+        if scaffold:
+            task = replace(task, server_control=fetched.control)
+        log.info("event=train round=%d fetched_bytes=%d due=%d", train.round, fetched.nbytes, len(task.due))
+        started = time.perf_counter()
+        with self.compute_lock:
+            push = run_task(s, spec, task, self.train_data, personal_atoms=train.personal_atoms, progress=self.progress)
+        bad = [k for k, v in push.metrics.items() if not math.isfinite(v)]
+        bad += [n for n, t in push.tensors.items() if not bool(torch.isfinite(t).all())]
+        if bad:
+            raise TrainingDiverged(
+                f"round {train.round}: local training diverged ({', '.join(bad[:4])} not finite) with "
+                f"lr={task.config.lr}; the server would refuse the update"
+            )
+        s.pending = PendingUpdate(
+            train.round,
+            uuid.uuid4().hex,
+            push.num_samples,
+            dict(push.metrics),
+            push.tensors,
+            push.control_delta,
+            fp16=bool(task.strategy.get("fp16_transport")),
+        )
+        s.last_round = train.round
+        self._save()  # the update survives a crash from here on, with its id
+        log.info("event=trained round=%d seconds=%.2f", train.round, time.perf_counter() - started)
+        self._push_pending()
+
+    def _push_pending(self) -> None:
+        s = self.state
+        assert s is not None and s.pending is not None
+        p = s.pending
+        try:
+            reply = self.client.push(
+                p.round, p.update_id, p.num_samples, p.metrics, p.tensors, p.control_delta, fp16=p.fp16
+            )
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # type: ignore[attr-defined]
+                raise
+            log.warning("event=push_refused round=%d detail=%s", p.round, json.dumps(exc.details()))  # type: ignore[attr-defined]
+            s.pending = None
+            self._save()
+            return
+        log.info("event=pushed round=%d duplicate=%s message=%s", p.round, reply.duplicate, json.dumps(reply.message))
+        s.pending = None
+        s.evaluate_round = p.round if self.test_data is not None else None
+        self._save()
+
+    def _evaluate(self, closed: int) -> None:
+        """Fetch the model round ``closed`` produced and report how it does on the local test split."""
+        s, spec = self.state, self.spec
+        assert s is not None and spec is not None and self.test_data is not None
+        fetched = self.client.fetch(spec, s.versions, round_=closed)
+        s.receive(fetched.model)
+        with self.compute_lock:
+            ev = evaluate_client(s, spec, self.test_data)
+        try:
+            self.client.report(closed, ev.global_accuracy, ev.global_loss, ev.personalized_accuracy, ev.num_samples)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # type: ignore[attr-defined]
+                raise
+            log.warning("event=report_refused round=%d detail=%s", closed, json.dumps(exc.details()))  # type: ignore[attr-defined]
+        log.info(
+            "event=evaluated round=%d accuracy=%.4f personalized=%s",
+            closed,
+            ev.global_accuracy,
+            "-" if ev.personalized_accuracy is None else f"{ev.personalized_accuracy:.4f}",
+        )
+        s.evaluate_round = None
+        self._save()
+
+    # ------------------------------------------------------------------ one agent per process
+
+    def run(self, stop: threading.Event | None = None) -> int:
+        """Run until the federation is done (exit code 0), keeping the client online meanwhile."""
+        stop = stop or threading.Event()
+        beat: threading.Thread | None = None
+        try:
+            creds = self.ensure_registered()
+            beat = threading.Thread(
+                target=self._heartbeats, args=(stop, creds.heartbeat_interval_seconds), name="heartbeat", daemon=True
+            )
+            beat.start()
+            while not stop.is_set():
+                delay = self.step()
+                if delay is None:
+                    return EXIT_CODES["done"]
+                stop.wait(delay)
+            return EXIT_CODES["interrupted"]
+        except Unauthenticated as exc:
+            log.error(
+                "event=unauthenticated detail=%s hint=%s",
+                json.dumps(str(exc)),
+                json.dumps(
+                    "the operator revoked this client or the server forgot it; delete the state dir to enroll anew"
+                ),
+            )
+            return EXIT_CODES["unauthenticated"]
+        except TrainingDiverged as exc:
+            log.error("event=diverged detail=%s", json.dumps(str(exc)))
+            return EXIT_CODES["diverged"]
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):  # type: ignore[attr-defined]
+                log.error("event=unreachable detail=%s", json.dumps(exc.details()))  # type: ignore[attr-defined]
+                return EXIT_CODES["unreachable"]
+            raise
+        finally:
+            stop.set()
+            if beat is not None:  # gRPC aborts the process if a thread is mid-call at exit
+                beat.join(timeout=15)
+
+    def _heartbeats(self, stop: threading.Event, interval: float) -> None:
+        while not stop.wait(max(1.0, interval)):
+            try:
+                self.client.heartbeat(retry=False)
+            except Exception as exc:  # the main loop reports what matters; a missed beat is not fatal
+                log.debug("event=heartbeat_failed error=%s", type(exc).__name__)

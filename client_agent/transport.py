@@ -1,0 +1,298 @@
+"""The client's side of the wire: typed calls to the aggregator, with retries a bad link needs.
+
+Every call goes through :meth:`AggregatorClient._call`, which retries transient failures
+(``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``ABORTED``) with exponential backoff and full
+jitter, and turns ``UNAUTHENTICATED`` into :class:`Unauthenticated` so an agent stops with a
+clear message instead of polling forever. A push is retried by rebuilding its stream with
+the same ``update_id``, so the server stores it once however often the link drops.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import torch
+from torch import Tensor
+
+from client_agent.update import TrainTask
+from fedatoms import wire
+from fedatoms.v1 import aggregator_pb2 as pb
+from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+from fedcore import codec
+from fedcore.spec import ModelSpec
+from fedcore.tiers import CapabilityProfile
+from fedcore.training import TrainConfig
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "RETRYABLE",
+    "AggregatorClient",
+    "Backoff",
+    "Fetched",
+    "Unauthenticated",
+    "task_from_proto",
+]
+
+log = logging.getLogger("fedatoms.client")
+
+# the aggregator's limit: chunks carry ≤ 1 MiB, so 4 MiB + headroom is plenty both ways
+MAX_MESSAGE_BYTES = 4 * 2**20 + 64 * 2**10
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
+
+_T = TypeVar("_T")
+
+
+class Unauthenticated(RuntimeError):
+    """The server refused the token (unknown or revoked) or the enrollment secret: retrying cannot help."""
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff with full jitter (sleep uniform in [0, min(cap, base·2^attempt)])."""
+
+    base: float = 0.5
+    cap: float = 30.0
+    max_elapsed: float | None = None  # give up after this many seconds of failures; None: never
+    rng: random.Random | None = None
+
+    def delay(self, attempt: int) -> float:
+        rng = self.rng or random
+        return rng.uniform(0.0, min(self.cap, self.base * 2**attempt))
+
+
+@dataclass
+class Fetched:
+    """What a FetchModel stream carried: tier tensors with versions, SCAFFOLD's server control, payload bytes."""
+
+    model: dict[str, tuple[Tensor, int]]
+    control: dict[str, Tensor]
+    nbytes: int
+
+
+def task_from_proto(train: pb.Task.Train) -> TrainTask:
+    """The wire's Train task as the client code's :class:`TrainTask` (server control is fetched separately)."""
+    strategy = json.loads(train.strategy_config_json or "{}")
+    local = tuple(strategy.pop("local_tensors", ()))
+    return TrainTask(
+        round=train.round,
+        due=tuple(train.due_tensors),
+        config=TrainConfig.from_dict(json.loads(train.train_config_json)),
+        continue_unsynced=train.continue_unsynced,
+        seed=train.seed,
+        strategy=strategy,
+        local=local,
+    )
+
+
+def _profile_message(profile: CapabilityProfile) -> pb.CapabilityProfile:
+    msg = pb.CapabilityProfile(device_name=profile.device_name, num_samples=max(0, int(profile.num_samples)))
+    for field in ("compute_macs", "memory_bytes", "uplink_bps", "downlink_bps", "preferred_tier"):
+        value = getattr(profile, field)
+        if value is not None:
+            setattr(msg, field, value)
+    return msg
+
+
+def _credentials(ca: Path | None, cert: Path | None, key: Path | None) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca.read_bytes() if ca else None,
+        private_key=key.read_bytes() if key else None,
+        certificate_chain=cert.read_bytes() if cert else None,
+    )
+
+
+class AggregatorClient:
+    """One channel to the aggregator; thread-safe (gRPC channels are), so a heartbeat thread may share it."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        tls_ca: Path | None = None,
+        tls_cert: Path | None = None,
+        tls_key: Path | None = None,
+        server_name: str | None = None,
+        backoff: Backoff | None = None,
+        rpc_timeout: float = 120.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_permit_without_calls", 0),
+        ]
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
+        if tls_ca or tls_cert:
+            self.channel = grpc.secure_channel(target, _credentials(tls_ca, tls_cert, tls_key), options=options)
+        else:
+            self.channel = grpc.insecure_channel(target, options=options)
+        self.stub = pb_grpc.AggregatorStub(self.channel)
+        self.target = target
+        self.token = token
+        self.backoff = backoff or Backoff()
+        self.rpc_timeout = rpc_timeout
+        self._sleep = sleep
+        self._owns_channel = True
+
+    @classmethod
+    def sharing(cls, other: AggregatorClient) -> AggregatorClient:
+        """Another identity (token) over ``other``'s channel: many virtual clients, one connection."""
+        new = copy.copy(other)
+        new.token = None
+        new._owns_channel = False
+        return new
+
+    def close(self) -> None:
+        if self._owns_channel:
+            self.channel.close()
+
+    def __enter__(self) -> AggregatorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def _auth(self) -> tuple[tuple[str, str], ...]:
+        if not self.token:
+            raise Unauthenticated("no bearer token: register first")
+        return (("authorization", f"Bearer {self.token}"),)
+
+    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` until it succeeds, retrying transient failures with backoff."""
+        started, attempt = time.monotonic(), 0
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    raise Unauthenticated(f"{what}: {exc.details()}") from exc  # type: ignore[attr-defined]
+                elapsed = time.monotonic() - started
+                limit = self.backoff.max_elapsed
+                if code not in RETRYABLE or (limit is not None and elapsed >= limit):
+                    raise
+                delay = self.backoff.delay(attempt)
+                log.warning(
+                    "event=rpc_retry rpc=%s code=%s attempt=%d delay=%.2f detail=%s",
+                    what,
+                    code.name if code else "?",
+                    attempt + 1,
+                    delay,
+                    json.dumps(exc.details() if hasattr(exc, "details") else str(exc)),
+                )
+                self._sleep(delay)
+                attempt += 1
+
+    # ------------------------------------------------------------------ RPCs
+
+    def register(
+        self, profile: CapabilityProfile, enrollment_secret: str, name: str | None = None
+    ) -> tuple[pb.RegisterReply, ModelSpec]:
+        request = pb.RegisterRequest(profile=_profile_message(profile), enrollment_secret=enrollment_secret)
+        if name:
+            request.client_name = name
+        reply = self._call("Register", lambda: self.stub.Register(request, timeout=self.rpc_timeout))
+        self.token = reply.token
+        return reply, ModelSpec.from_json(reply.model_spec_json)
+
+    def heartbeat(self, *, retry: bool = True) -> pb.HeartbeatReply:
+        """``retry=False``: one attempt (a background beat must not sleep through a shutdown)."""
+        call = lambda: self.stub.Heartbeat(pb.HeartbeatRequest(), metadata=self._auth, timeout=10)  # noqa: E731
+        return self._call("Heartbeat", call) if retry else call()
+
+    def get_task(self) -> pb.Task:
+        return self._call("GetTask", lambda: self.stub.GetTask(pb.GetTaskRequest(), metadata=self._auth, timeout=30))
+
+    def fetch(
+        self,
+        spec: ModelSpec,
+        held: Mapping[str, int],
+        *,
+        round_: int | None = None,
+        include_server_control: bool = False,
+    ) -> Fetched:
+        """Tensors newer than ``held``, checked against the tier's spec (and upcast from fp16 transport)."""
+        expected = {t.name: (tuple(t.shape), t.dtype) for t in spec.tensors}
+        request = pb.FetchRequest(held=[pb.TensorVersion(name=n, version=v) for n, v in held.items()])
+        if round_ is not None:
+            request.round = round_
+        if include_server_control:
+            request.include_server_control = True
+
+        def once() -> Fetched:
+            model, control = codec.Reassembler(), codec.Reassembler()
+            for msg in self.stub.FetchModel(request, metadata=self._auth, timeout=self.rpc_timeout):
+                (control if msg.kind == pb.TENSOR_KIND_SERVER_CONTROL else model).add(wire.to_chunk(msg))
+            versions = model.versions()
+            arrays = model.finish(expected)
+            controls = control.finish()
+            return Fetched(
+                {n: (torch.from_numpy(a), versions[n]) for n, a in arrays.items()},
+                {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in controls.items()},
+                model.bytes_received + control.bytes_received,
+            )
+
+        return self._call("FetchModel", once)
+
+    def push(
+        self,
+        round_: int,
+        update_id: str,
+        num_samples: int,
+        metrics: Mapping[str, float],
+        tensors: Mapping[str, Tensor],
+        control_delta: Mapping[str, Tensor] | None = None,
+        *,
+        fp16: bool = False,
+    ) -> pb.PushReply:
+        """Stream one update; a retry rebuilds the stream with the same ``update_id`` (stored once)."""
+
+        def messages() -> Iterator[pb.PushMessage]:
+            header = pb.PushHeader(
+                round=round_,
+                update_id=update_id,
+                num_samples=num_samples,
+                metrics={k: float(v) for k, v in metrics.items()},
+            )
+            yield pb.PushMessage(header=header)
+            for name, tensor in tensors.items():
+                for msg in wire.tensor_messages(name, tensor, kind=pb.TENSOR_KIND_MODEL, fp16=fp16):
+                    yield pb.PushMessage(chunk=msg)
+            for name, tensor in (control_delta or {}).items():
+                for msg in wire.tensor_messages(name, tensor, round_, pb.TENSOR_KIND_CONTROL_DELTA, fp16=fp16):
+                    yield pb.PushMessage(chunk=msg)
+
+        return self._call(
+            "PushUpdate", lambda: self.stub.PushUpdate(messages(), metadata=self._auth, timeout=self.rpc_timeout)
+        )
+
+    def report(
+        self,
+        round_: int,
+        global_accuracy: float,
+        global_loss: float,
+        personalized_accuracy: float | None,
+        num_samples: int,
+    ) -> pb.EvaluationReply:
+        request = pb.EvaluationReport(
+            round=round_, global_accuracy=global_accuracy, global_loss=global_loss, num_samples=num_samples
+        )
+        if personalized_accuracy is not None:
+            request.personalized_accuracy = personalized_accuracy
+        return self._call(
+            "ReportEvaluation", lambda: self.stub.ReportEvaluation(request, metadata=self._auth, timeout=30)
+        )

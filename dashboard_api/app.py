@@ -1,0 +1,141 @@
+"""The dashboard app: REST under ``/api/v1``, Prometheus ``/metrics``, health probes and the page at ``/``.
+
+Built by :func:`create_app` from one :class:`DashboardSettings`; nothing is read from globals,
+so tests and benchmarks run several apps side by side, each on its own database.
+"""
+
+from __future__ import annotations
+
+import html
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from importlib.resources import files
+from typing import Any
+
+from fastapi import FastAPI, Request, Response, status
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import Engine
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+
+from aggregator_service import store
+
+from . import queries
+from .deps import DashboardState, ReadAccess, StateDep
+from .metrics import build_registry
+from .routes import ROUTERS
+from .schemas import Health, Readiness
+from .settings import DashboardSettings
+
+__all__ = ["create_app", "create_engine"]
+
+log = logging.getLogger(__name__)
+API_PREFIX = "/api/v1"
+STATIC = files("dashboard_api") / "static"
+
+
+def create_engine(database_url: str) -> Engine:
+    """A read-mostly engine: SQLite transactions start DEFERRED so reads never queue behind the aggregator."""
+    url = make_url(database_url)
+    kwargs: dict[str, Any] = {}
+    if not (url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")):
+        kwargs.update(pool_size=10, max_overflow=40, pool_timeout=10)
+    return store.create_engine_for(url, sqlite_begin="DEFERRED", **kwargs)
+
+
+def _openapi(app: FastAPI, *, reads_open: bool) -> dict[str, Any]:
+    """FastAPI's schema, saying that reads need no token when no read token is configured."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for methods in schema.get("paths", {}).values():
+            read = methods.get("get", {})
+            if reads_open and "security" in read:
+                read["security"] = [{}, *read["security"]]  # {}: the bearer token is optional
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def create_app(settings: DashboardSettings | None = None, *, engine: Engine | None = None) -> FastAPI:
+    """An app over ``settings.database_url`` (or ``engine``); the engine is disposed on shutdown if created here."""
+    settings = settings or DashboardSettings()
+    owned = engine is None
+    engine = engine or create_engine(settings.database_url)
+    state = DashboardState(settings, engine, store.session_factory(engine))
+    registry = build_registry(state.factory, settings.federation_name, state.online_since)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owned:
+            engine.dispose()
+
+    app = FastAPI(
+        title="fedatoms dashboard",
+        version="1",
+        description="Rounds, variance, bandwidth, clients and intervals of one federation, read from the "
+        "aggregator's database; pause, resume and revoke with the admin token.",
+        lifespan=lifespan,
+    )
+    app.state.dashboard = state
+    app.openapi = lambda: _openapi(app, reads_open=settings.read_token is None)  # type: ignore[method-assign]
+    for router in ROUTERS:
+        app.include_router(router, prefix=API_PREFIX)
+
+    @app.exception_handler(SQLAlchemyError)
+    async def database_unavailable(_request: Request, exc: SQLAlchemyError) -> JSONResponse:
+        log.warning("database error: %s", exc)
+        return JSONResponse(
+            {
+                "detail": f"the database is unavailable or not migrated ({type(exc).__name__}); check database_url "
+                "and that the aggregator has started (it migrates the schema)"
+            },
+            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+        )
+
+    @app.get("/healthz", response_model=Health, tags=["health"])
+    def healthz() -> dict[str, str]:
+        """The process serves requests (liveness)."""
+        return {"status": "ok"}
+
+    @app.get(
+        "/readyz",
+        response_model=Readiness,
+        tags=["health"],
+        responses={503: {"model": Readiness, "description": "the database is unreachable or not migrated"}},
+    )
+    def readyz(state: StateDep, response: Response) -> dict[str, Any]:
+        """The database answers and holds the store's tables (readiness)."""
+        backend = state.engine.dialect.name
+        try:
+            with state.factory.begin() as session:
+                queries.database_ok(session)
+        except SQLAlchemyError as exc:
+            response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+            return {"status": "unavailable", "database": backend, "detail": type(exc).__name__}
+        return {"status": "ready", "database": backend}
+
+    @app.get(
+        "/metrics",
+        tags=["metrics"],
+        dependencies=[ReadAccess],
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}},
+    )
+    def metrics() -> Response:
+        """Prometheus text format, read from the database at scrape time."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    page = (
+        (STATIC / "index.html").read_text().replace("{{POLL_MS}}", html.escape(str(int(settings.poll_seconds * 1000))))
+    )
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def index() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")
+    return app

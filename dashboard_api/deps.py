@@ -1,0 +1,105 @@
+"""Request dependencies: a read session per request, the federation, and the bearer tokens."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import SecretStr
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from aggregator_service import store
+
+from .settings import DashboardSettings
+
+__all__ = ["AdminAccess", "DashboardState", "FederationRow", "ReadAccess", "SessionDep", "StateDep"]
+
+_bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <token>` (see docs/dashboard.md)")
+_REALM = 'Bearer realm="fedatoms-dashboard"'
+
+
+@dataclass
+class DashboardState:
+    """What one app holds: its settings and its engine (read-only use; writes go through the store)."""
+
+    settings: DashboardSettings
+    engine: Engine
+    factory: sessionmaker[Session]
+
+    def online_since(self) -> datetime:
+        return store.utcnow() - timedelta(seconds=self.settings.heartbeat_timeout_seconds)
+
+
+def get_state(request: Request) -> DashboardState:
+    state: DashboardState = request.app.state.dashboard
+    return state
+
+
+StateDep = Annotated[DashboardState, Depends(get_state)]
+
+
+def get_session(state: StateDep) -> Iterator[Session]:
+    with state.factory.begin() as session:
+        yield session
+
+
+# scope="function": the transaction commits before the response leaves, so a client that saw
+# "paused" or "revoked" can rely on the aggregator reading it from the database
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+
+
+def get_federation(state: StateDep, session: SessionDep) -> store.Federation:
+    fed = store.get_federation(session, state.settings.federation_name)
+    if fed is None:
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            f"no federation {state.settings.federation_name!r} in the database yet: start the aggregator "
+            "(fedatoms aggregator serve) with this database_url and federation_name",
+        )
+    return fed
+
+
+FederationRow = Annotated[store.Federation, Depends(get_federation)]
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def _matches(credentials: HTTPAuthorizationCredentials | None, *tokens: SecretStr | None) -> bool:
+    if credentials is None:
+        return False
+    given = credentials.credentials.encode()
+    return any(t is not None and hmac.compare_digest(given, t.get_secret_value().encode()) for t in tokens)
+
+
+def _unauthorized(detail: str) -> HTTPException:
+    return HTTPException(status.HTTP_401_UNAUTHORIZED, detail, headers={"WWW-Authenticate": _REALM})
+
+
+def require_read(state: StateDep, credentials: Credentials) -> None:
+    """Reads are open unless a read token is configured; the admin token reads too."""
+    s = state.settings
+    if s.read_token is None or _matches(credentials, s.read_token, s.admin_token):
+        return
+    what = "missing" if credentials is None else "wrong"
+    raise _unauthorized(f"{what} bearer token: reads need `Authorization: Bearer <read_token>`")
+
+
+def require_admin(state: StateDep, credentials: Credentials) -> None:
+    if state.settings.admin_token is None:
+        raise HTTPException(
+            status.HTTP_503_SERVICE_UNAVAILABLE,
+            "admin endpoints are disabled: set admin_token ([dashboard] in the TOML file or "
+            "FEDATOMS_DASHBOARD_ADMIN_TOKEN) and restart the dashboard",
+        )
+    if not _matches(credentials, state.settings.admin_token):
+        what = "missing" if credentials is None else "wrong"
+        raise _unauthorized(f"{what} admin token: send `Authorization: Bearer <admin_token>`")
+
+
+ReadAccess = Depends(require_read)
+AdminAccess = Depends(require_admin)

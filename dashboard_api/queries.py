@@ -1,0 +1,458 @@
+"""Read-only SQL over the aggregator's store, shaped for the dashboard.
+
+Every list is paged and filtered in SQL and every total is aggregated in SQL, so a request
+costs the same with 10 rounds or 10,000: no function here loads a whole table into Python.
+Nothing here writes; the two writes the dashboard makes go through the store's own functions.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from sqlalchemy import Float, Select, and_, case, cast, func, literal, select
+from sqlalchemy.orm import Session
+
+from aggregator_service import store
+
+__all__ = [
+    "bandwidth",
+    "client_detail",
+    "client_item",
+    "client_page",
+    "evaluation_means",
+    "federation_summary",
+    "intervals",
+    "metrics_snapshot",
+    "round_detail",
+    "round_page",
+]
+
+ClientStatus = Literal["online", "offline", "revoked"]
+Order = Literal["asc", "desc"]
+
+
+def _rows(result: Any) -> list[dict[str, Any]]:
+    return [dict(r._mapping) for r in result]
+
+
+# --------------------------------------------------------------------------- federation
+
+
+def _last_closed(session: Session, fed_id: int) -> int:
+    q = select(func.max(store.Round.number)).where(store.Round.federation_id == fed_id, store.Round.state == "closed")
+    return int(session.scalar(q) or 0)
+
+
+def _client_totals(session: Session, fed_id: int, online_since: datetime) -> dict[str, int]:
+    """Client counts and lifetime bytes in one scan of the federation's clients."""
+    c = store.Client
+    active = c.revoked_at.is_(None)
+    row = session.execute(
+        select(
+            func.count().filter(active).label("registered"),
+            func.count().filter(~active).label("revoked"),
+            func.count().filter(active, c.last_seen >= online_since).label("online"),
+            func.coalesce(func.sum(c.bytes_down), 0).label("bytes_down"),
+            func.coalesce(func.sum(c.bytes_up), 0).label("bytes_up"),
+        ).where(c.federation_id == fed_id)
+    ).one()
+    return {k: int(v) for k, v in row._mapping.items()}
+
+
+def federation_summary(session: Session, fed: store.Federation, online_since: datetime) -> dict[str, Any]:
+    open_round = session.scalar(
+        select(store.Round.number).where(store.Round.federation_id == fed.id, store.Round.state == "open")
+    )
+    last_closed = _last_closed(session, fed.id)
+    counts = _client_totals(session, fed.id, online_since)
+    config = dict(fed.config or {})
+    return {
+        "name": fed.name,
+        "state": fed.state,
+        "current_round": open_round if open_round is not None else last_closed,
+        "open_round": open_round,
+        "last_closed_round": last_closed,
+        "rounds_planned": config.get("rounds"),
+        "clients_registered": counts["registered"],
+        "clients_revoked": counts["revoked"],
+        "clients_online": counts["online"],
+        "config": config,
+        "created_at": fed.created_at,
+        "updated_at": fed.updated_at,
+    }
+
+
+# --------------------------------------------------------------------------- rounds
+
+
+@dataclass(frozen=True)
+class RoundFilters:
+    state: str | None = None
+    after: int | None = None
+    before: int | None = None
+
+
+def _round_where(fed_id: int, f: RoundFilters) -> list[Any]:
+    where: list[Any] = [store.Round.federation_id == fed_id]
+    if f.state is not None:
+        where.append(store.Round.state == f.state)
+    if f.after is not None:
+        where.append(store.Round.number > f.after)
+    if f.before is not None:
+        where.append(store.Round.number < f.before)
+    return where
+
+
+def _weighted_mean(column: Any) -> Any:
+    """Σ v·n / Σ n over reports that have ``v``; the plain mean where none gave ``num_samples``.
+
+    The same rule as :func:`store.evaluation_summary`, computed by the database.
+    """
+    e = store.Evaluation
+    weight = func.sum(case((column.is_not(None), e.num_samples), else_=0))
+    return case(
+        (weight > 0, cast(func.sum(column * e.num_samples), Float) / cast(weight, Float)),
+        else_=cast(func.avg(column), Float),
+    )
+
+
+def evaluation_means(session: Session, fed_id: int, rounds: Sequence[int]) -> dict[int, dict[str, Any]]:
+    """Per round: how many clients evaluated it and their weighted mean accuracies and loss."""
+    if not rounds:
+        return {}
+    e = store.Evaluation
+    result = session.execute(
+        select(
+            e.round,
+            func.count().label("clients"),
+            _weighted_mean(e.global_accuracy).label("mean_client_accuracy"),
+            _weighted_mean(e.global_loss).label("mean_client_loss"),
+            _weighted_mean(e.personalized_accuracy).label("personalized_accuracy"),
+        )
+        .where(e.federation_id == fed_id, e.round.in_(list(rounds)))
+        .group_by(e.round)
+    )
+    return {int(r.round): {k: v for k, v in r._mapping.items() if k != "round"} for r in result}
+
+
+def _round_select() -> Select[store.Round, store.RoundMetrics]:
+    r, m = store.Round, store.RoundMetrics
+    return select(r, m).outerjoin(m, and_(m.federation_id == r.federation_id, m.round == r.number))
+
+
+def _round_dict(rnd: store.Round, metrics: store.RoundMetrics | None, evals: dict[str, Any] | None) -> dict[str, Any]:
+    m = metrics
+    evals = evals or {}
+    mean_acc = evals.get("mean_client_accuracy")
+    personal = evals.get("personalized_accuracy")
+    return {
+        "number": rnd.number,
+        "state": rnd.state,
+        "cohort_size": len(rnd.cohort or ()),
+        "reported": rnd.reported,
+        "stragglers": rnd.stragglers,
+        "opened_at": rnd.opened_at,
+        "closed_at": rnd.closed_at,
+        "deadline": rnd.deadline,
+        "duration_seconds": m.duration_seconds if m else None,
+        "test_accuracy": m.test_accuracy if m else None,
+        "test_loss": m.test_loss if m else None,
+        # clients evaluate after the close, so the evaluations table is fresher than the metrics row
+        "mean_client_accuracy": mean_acc if mean_acc is not None else (m.mean_client_accuracy if m else None),
+        "personalized_accuracy": personal if personal is not None else (m.personalized_accuracy if m else None),
+        "evaluations": int(evals.get("clients", 0)),
+        "dispersion": m.dispersion if m else None,
+        "latent_clients": m.latent_clients if m else None,
+        "bytes_down": m.bytes_down if m else None,
+        "bytes_up": m.bytes_up if m else None,
+        "fedavg_equivalent_bytes": m.fedavg_equivalent_bytes if m else None,
+    }
+
+
+def round_page(
+    session: Session, fed_id: int, filters: RoundFilters, offset: int, limit: int, order: Order
+) -> tuple[int, list[dict[str, Any]]]:
+    where = _round_where(fed_id, filters)
+    total = int(session.scalar(select(func.count()).select_from(store.Round).where(*where)) or 0)
+    number = store.Round.number
+    rows = session.execute(
+        _round_select().where(*where).order_by(number.desc() if order == "desc" else number).offset(offset).limit(limit)
+    ).all()
+    evals = evaluation_means(session, fed_id, [r.number for r, _ in rows])
+    return total, [_round_dict(r, m, evals.get(r.number)) for r, m in rows]
+
+
+def round_detail(session: Session, fed_id: int, number: int) -> dict[str, Any] | None:
+    row = session.execute(
+        _round_select().where(store.Round.federation_id == fed_id, store.Round.number == number)
+    ).one_or_none()
+    if row is None:
+        return None
+    rnd, metrics = row
+    out = _round_dict(rnd, metrics, evaluation_means(session, fed_id, [number]).get(number))
+    extra = (metrics.extra if metrics else None) or {}
+    out.update(
+        cohort=list(rnd.cohort or ()),
+        due=list(rnd.due or ()),
+        continue_unsynced=bool(rnd.continue_unsynced),
+        extended=bool(rnd.extended),
+        effective_dispersion=dict(extra.get("effective_dispersion") or {}),
+        client_metrics=dict(extra.get("client_metrics") or {}),
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- clients
+
+
+def client_item(c: store.Client, online_since: datetime) -> dict[str, Any]:
+    return {
+        "id": c.id,
+        "name": c.name,
+        "tier": c.tier,
+        "online": c.revoked_at is None and c.last_seen >= online_since,
+        "revoked": c.revoked_at is not None,
+        "registered_at": c.registered_at,
+        "last_seen": c.last_seen,
+        "revoked_at": c.revoked_at,
+        "rounds_joined": c.rounds_joined,
+        "bytes_up": c.bytes_up,
+        "bytes_down": c.bytes_down,
+        "last_accuracy": c.last_accuracy,
+    }
+
+
+def client_page(
+    session: Session,
+    fed_id: int,
+    online_since: datetime,
+    offset: int,
+    limit: int,
+    *,
+    status: ClientStatus | None = None,
+    tier: float | None = None,
+) -> tuple[int, list[dict[str, Any]]]:
+    c = store.Client
+    where: list[Any] = [c.federation_id == fed_id]
+    if status == "revoked":
+        where.append(c.revoked_at.is_not(None))
+    elif status == "online":
+        where += [c.revoked_at.is_(None), c.last_seen >= online_since]
+    elif status == "offline":
+        where += [c.revoked_at.is_(None), c.last_seen < online_since]
+    if tier is not None:
+        where.append(c.tier == tier)
+    total = int(session.scalar(select(func.count()).select_from(c).where(*where)) or 0)
+    clients = session.scalars(select(c).where(*where).order_by(c.registered_at, c.id).offset(offset).limit(limit))
+    return total, [client_item(x, online_since) for x in clients]
+
+
+def client_detail(
+    session: Session, fed_id: int, client_id: str, online_since: datetime, recent: int = 50
+) -> dict[str, Any] | None:
+    client = session.get(store.Client, client_id)
+    if client is None or client.federation_id != fed_id:
+        return None
+    t = store.Transfer
+    transfers = session.execute(
+        select(
+            t.round,
+            func.sum(case((t.direction == "down", t.bytes), else_=0)).label("bytes_down"),
+            func.sum(case((t.direction == "up", t.bytes), else_=0)).label("bytes_up"),
+        )
+        .where(t.federation_id == fed_id, t.client_id == client_id)
+        .group_by(t.round)
+        .order_by(t.round.desc())
+        .limit(recent)
+    )
+    e = store.Evaluation
+    evaluations = session.execute(
+        select(e.round, e.global_accuracy, e.global_loss, e.personalized_accuracy, e.num_samples, e.reported_at)
+        .where(e.federation_id == fed_id, e.client_id == client_id)
+        .order_by(e.round.desc())
+        .limit(recent)
+    )
+    return {
+        **client_item(client, online_since),
+        "profile": dict(client.profile or {}),
+        "transfers": _rows(transfers),
+        "evaluations": _rows(evaluations),
+    }
+
+
+# --------------------------------------------------------------------------- bandwidth
+
+
+def bandwidth(
+    session: Session, fed_id: int, offset: int, limit: int, after: int | None
+) -> tuple[dict[str, Any], int, list[dict[str, Any]]]:
+    """Closed rounds' bytes with running totals (a window over all rounds, then paged), and the grand totals."""
+    m = store.RoundMetrics
+    down, up, fedavg = (func.coalesce(col, 0) for col in (m.bytes_down, m.bytes_up, m.fedavg_equivalent_bytes))
+    running = (
+        select(
+            m.round.label("round"),
+            down.label("bytes_down"),
+            up.label("bytes_up"),
+            fedavg.label("fedavg_equivalent_bytes"),
+            func.sum(down).over(order_by=m.round).label("cumulative_bytes_down"),
+            func.sum(up).over(order_by=m.round).label("cumulative_bytes_up"),
+            func.sum(fedavg).over(order_by=m.round).label("cumulative_fedavg_equivalent_bytes"),
+        )
+        .where(m.federation_id == fed_id)
+        .subquery()
+    )
+    newer = [m.round > after] if after is not None else []
+    total = int(session.scalar(select(func.count()).select_from(m).where(m.federation_id == fed_id, *newer)) or 0)
+    page = select(running).where(*([running.c.round > after] if after is not None else []))
+    rows = _rows(session.execute(page.order_by(running.c.round).offset(offset).limit(limit)))
+    sums = session.execute(
+        select(func.count(), func.sum(down), func.sum(up), func.sum(fedavg)).where(m.federation_id == fed_id)
+    ).one()
+    n, d, u, f = (int(v or 0) for v in sums)
+    moved = d + u
+    totals = {
+        "rounds": n,
+        "bytes_down": d,
+        "bytes_up": u,
+        "fedavg_equivalent_bytes": f,
+        "saving_ratio": f / moved if moved else None,
+        "saved_fraction": 1.0 - moved / f if f else None,
+    }
+    return totals, total, [{k: int(v) for k, v in r.items()} for r in rows]
+
+
+# --------------------------------------------------------------------------- intervals
+
+
+def intervals(session: Session, fed_id: int, after: int | None, limit: int, name: str | None) -> dict[str, Any]:
+    """Each global tensor's interval now, and its τ_l, d_l and dispersion over (at most ``limit``) closed rounds."""
+    tm = store.TensorMetric
+    rounds_q = select(store.RoundMetrics.round).where(store.RoundMetrics.federation_id == fed_id)
+    if after is not None:
+        rounds_q = rounds_q.where(store.RoundMetrics.round > after)
+    rounds = list(session.scalars(rounds_q.order_by(store.RoundMetrics.round).limit(limit)))
+    g = store.GlobalTensor
+    globals_q = select(g.name, g.interval, g.version).where(g.federation_id == fed_id)
+    if name is not None:
+        globals_q = globals_q.where(g.name == name)
+    current = session.execute(globals_q).all()
+    history: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    placement: dict[str, tuple[int, str | None]] = {}
+    if rounds and current:
+        hq = select(tm.name, tm.round, tm.interval, tm.d_l, tm.dispersion, tm.ordinal, tm.role).where(
+            tm.federation_id == fed_id, tm.round >= rounds[0], tm.round <= rounds[-1]
+        )
+        if name is not None:
+            hq = hq.where(tm.name == name)
+        for r in session.execute(hq.order_by(tm.round, tm.ordinal)):
+            history[r.name].append({"round": r.round, "interval": r.interval, "d_l": r.d_l, "dispersion": r.dispersion})
+            placement[r.name] = (r.ordinal, r.role)
+    if len(placement) < len(current):  # tensors without history in the window: place them by their latest row
+        missing = [c.name for c in current if c.name not in placement]
+        latest = (
+            select(tm.name, func.max(tm.round).label("round"))
+            .where(tm.federation_id == fed_id, tm.name.in_(missing))
+            .group_by(tm.name)
+            .subquery()
+        )
+        for row in session.execute(
+            select(tm.name, tm.ordinal, tm.role).join(
+                latest, and_(tm.federation_id == fed_id, tm.name == latest.c.name, tm.round == latest.c.round)
+            )
+        ):
+            placement[row.name] = (row.ordinal, row.role)
+    tensors = [
+        {
+            "name": c.name,
+            "ordinal": placement.get(c.name, (1_000_000, None))[0],
+            "role": placement.get(c.name, (0, None))[1],
+            "interval": c.interval,
+            "version": c.version,
+            "history": history.get(c.name, []),
+        }
+        for c in current
+    ]
+    tensors.sort(key=lambda t: (t["ordinal"], t["name"]))
+    return {"rounds": rounds, "tensors": tensors}
+
+
+# --------------------------------------------------------------------------- Prometheus
+
+
+def _latest(session: Session, fed_id: int, column: Any) -> tuple[int, float] | None:
+    m = store.RoundMetrics
+    row = session.execute(
+        select(m.round, column).where(m.federation_id == fed_id, column.is_not(None)).order_by(m.round.desc()).limit(1)
+    ).first()
+    return None if row is None else (int(row[0]), float(row[1]))
+
+
+def metrics_snapshot(
+    session: Session, fed: store.Federation, online_since: datetime, buckets: Sequence[float]
+) -> dict[str, Any]:
+    """Everything ``/metrics`` exposes: one aggregate per table, the rest by index.
+
+    A closed round always has its metrics row, so closed rounds are counted on ``round_metrics``
+    (primary-key scan) and abandoned ones by difference, never by scanning ``rounds``' JSON rows.
+    """
+    m, r, e = store.RoundMetrics, store.Round, store.Evaluation
+    duration = m.duration_seconds
+    closed = session.execute(
+        select(
+            func.count(),
+            func.max(m.round),
+            func.coalesce(func.sum(m.fedavg_equivalent_bytes), 0),
+            func.count(duration),
+            func.coalesce(func.sum(duration), 0.0),
+            *(func.count().filter(duration <= b) for b in buckets),
+        ).where(m.federation_id == fed.id)
+    ).one()
+    n_closed, last_closed, fedavg, n_durations, duration_sum = closed[:5]
+    all_rounds = int(session.scalar(select(func.count()).select_from(r).where(r.federation_id == fed.id)) or 0)
+    open_round = session.scalar(select(r.number).where(r.federation_id == fed.id, r.state == "open"))
+    last_eval = session.scalar(select(e.round).where(e.federation_id == fed.id).order_by(e.round.desc()).limit(1))
+    tensors = []
+    if last_closed is not None:  # the last closed round: an open round's rows only count bytes so far
+        tm = store.TensorMetric
+        tensors = _rows(
+            session.execute(
+                select(tm.name, tm.role, tm.d_l, tm.dispersion, tm.interval)
+                .where(tm.federation_id == fed.id, tm.round == last_closed)
+                .order_by(tm.ordinal)
+            )
+        )
+    clients = _client_totals(session, fed.id, online_since)
+    return {
+        "name": fed.name,
+        "state": fed.state,
+        "config": dict(fed.config or {}),
+        "rounds": {
+            "open": int(open_round is not None),
+            "closed": int(n_closed),
+            "abandoned": all_rounds - int(n_closed) - int(open_round is not None),
+        },
+        "current_round": open_round if open_round is not None else int(last_closed or 0),
+        "clients": clients,
+        "duration_count": int(n_durations),
+        "duration_sum": float(duration_sum or 0.0),
+        "duration_buckets": [(b, int(n)) for b, n in zip(buckets, closed[5:], strict=True)],
+        "bytes_down": clients["bytes_down"],
+        "bytes_up": clients["bytes_up"],
+        "fedavg_equivalent_bytes": int(fedavg or 0),
+        "test_accuracy": _latest(session, fed.id, m.test_accuracy),
+        "test_loss": _latest(session, fed.id, m.test_loss),
+        "dispersion": _latest(session, fed.id, m.dispersion),
+        "evaluations": None if last_eval is None else evaluation_means(session, fed.id, [last_eval]).get(last_eval),
+        "tensors": tensors,
+    }
+
+
+def database_ok(session: Session) -> None:
+    """Raise unless the database answers and holds the store's tables."""
+    session.execute(select(literal(1)))
+    session.execute(select(store.Federation.id).limit(1))

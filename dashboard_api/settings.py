@@ -1,0 +1,106 @@
+"""How the dashboard runs: where it listens, which federation's database it reads, who may act.
+
+The dashboard reads the aggregator's database, so it takes the aggregator's ``database_url``,
+``federation_name`` and ``heartbeat_timeout_seconds`` from the same places (the aggregator's
+TOML file and ``FEDATOMS_*`` variables); its own keys live in a ``[dashboard]`` table of that
+file and in ``FEDATOMS_DASHBOARD_*`` variables, which win over the shared ones.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from aggregator_service.config import _split_listen
+
+__all__ = ["DashboardSettings"]
+
+#: Keys the dashboard shares with the aggregator's settings (top level of its TOML file).
+SHARED_KEYS = ("database_url", "federation_name", "heartbeat_timeout_seconds")
+
+_TOML_DATA: ContextVar[dict[str, Any] | None] = ContextVar("_TOML_DATA", default=None)
+
+
+def _env(name: str) -> AliasChoices:
+    """The dashboard's own variable first, then the aggregator's, so one environment configures both."""
+    return AliasChoices(f"FEDATOMS_DASHBOARD_{name.upper()}", f"FEDATOMS_{name.upper()}")
+
+
+class _TomlTable(PydanticBaseSettingsSource):
+    """The shared keys of the aggregator's TOML file plus its ``[dashboard]`` table."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        data = _TOML_DATA.get() or {}
+        return data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_TOML_DATA.get() or {})
+
+
+class DashboardSettings(BaseSettings):
+    """Sources, strongest first: keyword arguments (CLI flags), environment, the TOML file, defaults."""
+
+    model_config = SettingsConfigDict(env_prefix="FEDATOMS_DASHBOARD_", extra="forbid", populate_by_name=True)
+
+    listen: str = "127.0.0.1:8080"
+    database_url: str = Field(default="sqlite:///fedatoms.db", validation_alias=_env("database_url"))
+    federation_name: str = Field(default="default", validation_alias=_env("federation_name"))
+    #: A client counts as online while its last call is fresher than this (the aggregator's setting).
+    heartbeat_timeout_seconds: float = Field(default=60.0, gt=0.0, validation_alias=_env("heartbeat_timeout_seconds"))
+    #: Bearer token for pause, resume and revoke; unset: those endpoints answer 503.
+    admin_token: SecretStr | None = None
+    #: Bearer token every read needs (the admin token also reads); unset: reads are open.
+    read_token: SecretStr | None = None
+    #: How often the page polls the REST API.
+    poll_seconds: float = Field(default=3.0, gt=0.0, le=3600.0)
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        _split_listen(value)
+        return value
+
+    @field_validator("admin_token", "read_token")
+    @classmethod
+    def _check_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 16:
+            raise ValueError("tokens must be at least 16 characters (e.g. `openssl rand -hex 32`)")
+        return value
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        return _split_listen(self.listen)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _TomlTable(settings_cls)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> DashboardSettings:
+        """Settings from the aggregator's TOML file, under the environment and ``overrides`` (``None`` skipped)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"configuration file {path} does not exist")
+        doc = tomllib.loads(path.read_text())
+        table = doc.get("dashboard", {})
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: [dashboard] must be a table")
+        data = {k: doc[k] for k in SHARED_KEYS if k in doc} | table
+        token = _TOML_DATA.set(data)
+        try:
+            return cls(**{k: v for k, v in overrides.items() if v is not None})
+        finally:
+            _TOML_DATA.reset(token)

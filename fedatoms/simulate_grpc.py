@@ -1,0 +1,214 @@
+"""`fedatoms simulate --transport grpc`: the same federation as the in-process simulator, through the real service.
+
+It starts an aggregator in this process (a real gRPC server on a loopback port, with its
+database — a new SQLite file unless ``database_url`` is given) or uses a running one
+(``server``), registers the virtual clients in index order, runs them as real agents in
+worker processes (:func:`client_agent.pool.run_grpc_pool`), and reads the per-round record
+back from the aggregator's database, in the in-process simulator's format.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from aggregator_service import store
+from aggregator_service.config import AggregatorSettings, FederationConfig
+from client_agent.pool import register_all, run_grpc_pool
+
+__all__ = ["federation_config", "records_from_store", "run_grpc_simulation"]
+
+
+def federation_config(config: Any) -> FederationConfig:
+    """The federation part of a :class:`fedatoms.simulate.SimulationConfig`."""
+    return FederationConfig(**{f.name: getattr(config, f.name) for f in fields(FederationConfig)})
+
+
+def run_grpc_simulation(
+    config: Any,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    *,
+    server: str | None = None,
+    database_url: str | None = None,
+    enrollment_secret: str | None = None,
+    federation_name: str = "default",
+    workers: int = 2,
+    state_dir: str | None = None,
+    tls_ca: str | None = None,
+    announce: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run the federation through gRPC; returns ``{"config", "rounds", "summary"}`` like the in-process run."""
+    from fedatoms.simulate import population, summarize
+
+    say = announce or (lambda text: print(text, file=sys.stderr))
+    if config.download:
+        from fedcore.data import load_dataset
+
+        load_dataset(config.dataset, config.data_dir, download=True)  # once, before the workers look for it
+    started = time.perf_counter()
+    root = Path(state_dir or tempfile.mkdtemp(prefix="fedatoms-sim-"))
+    owned = None
+    if server is None:
+        if database_url is None:
+            database_url = f"sqlite:///{root / 'aggregator.db'}"
+        enrollment_secret = enrollment_secret or secrets.token_urlsafe(16)
+        settings = AggregatorSettings(
+            listen="127.0.0.1:0",
+            database_url=database_url,
+            federation_name=federation_name,
+            enrollment_secret=enrollment_secret,
+            deadline_seconds=3600.0,  # a simulated client is never late: its worker may just be busy
+            heartbeat_timeout_seconds=3600.0,
+            poll_interval_seconds=0.05,
+            eval_dataset=config.dataset,
+            eval_data_dir=config.data_dir,
+            federation=federation_config(config),
+        )
+        owned = _start_aggregator(settings)
+        target = f"127.0.0.1:{owned[1]}"
+        say(f"aggregator: {target}, database {database_url}")
+    else:
+        if database_url is None:
+            raise ValueError("with --server, give --database-url of that aggregator's database to read the record from")
+        if not enrollment_secret:
+            raise ValueError("with --server, give the federation's --enrollment-secret")
+        target = server
+    say(f"client state: {root}")
+    pop = population(config)
+    seen: set[int] = set()
+
+    def poll() -> None:
+        if progress is None:
+            return
+        for record in records_from_store(database_url, federation_name, after=max(seen, default=0)):
+            if record["round"] not in seen:
+                seen.add(record["round"])
+                progress(record)
+
+    try:
+        register_all(target, pop, pop.build(), enrollment_secret, root, tls_ca)
+        run_grpc_pool(target, pop, root, workers=workers, tls_ca=tls_ca, poll=poll)
+    finally:
+        if owned is not None:
+            owned[0].stop(grace=5).wait()
+            owned[2].stop()
+    records = records_from_store(database_url, federation_name)
+    if not records:
+        raise RuntimeError(f"no round closed in {database_url}")
+    for r in records:
+        if r["round"] not in seen and progress is not None:
+            progress(r)
+    totals = {k: records[-1][f"cumulative_{k}"] for k in ("bytes_up", "bytes_down", "fedavg_equivalent_bytes")}
+    summary = summarize(records, totals, time.perf_counter() - started)
+    out = config.to_dict()
+    return {"config": out, "rounds": records, "summary": summary}
+
+
+def _start_aggregator(settings: AggregatorSettings) -> tuple[Any, int, Any]:
+    from aggregator_service.server import DeadlineTicker, build_server
+
+    server, port, coordinator = build_server(settings)
+    ticker = DeadlineTicker(coordinator, server.health_servicer)  # type: ignore[attr-defined]
+    server.start()
+    ticker.start()
+    return server, port, ticker
+
+
+def records_from_store(url: str, federation_name: str = "default", after: int = 0) -> list[dict[str, Any]]:
+    """Closed rounds after round ``after`` as the simulator's per-round records (docs/simulation.md)."""
+    from fedatoms.simulate import mean_or_none
+
+    engine = store.create_engine_for(url)
+    records: list[dict[str, Any]] = []
+    try:
+        with Session(engine) as s:
+            fed = store.get_federation(s, federation_name)
+            if fed is None:
+                return []
+            personal = bool(fed.config.get("personal_atoms"))
+            totals = {"bytes_up": 0, "bytes_down": 0, "fedavg_equivalent_bytes": 0}
+            rows = s.execute(
+                select(store.Round, store.RoundMetrics)
+                .join(
+                    store.RoundMetrics,
+                    (store.RoundMetrics.federation_id == store.Round.federation_id)
+                    & (store.RoundMetrics.round == store.Round.number),
+                )
+                .where(store.Round.federation_id == fed.id, store.Round.state == "closed")
+                .order_by(store.Round.number)
+            ).all()
+            moved = _transfers(s, fed.id)
+            for rnd, m in rows:
+                n = rnd.number
+                evals = s.execute(
+                    select(store.Evaluation.global_accuracy, store.Evaluation.personalized_accuracy)
+                    .join(store.Client, store.Client.id == store.Evaluation.client_id)
+                    .where(store.Evaluation.federation_id == fed.id, store.Evaluation.round == n)
+                    .order_by(store.Client.number)
+                ).all()
+                extra = m.extra or {}
+                record: dict[str, Any] = {
+                    "round": n,
+                    "cohort_size": len(rnd.cohort),
+                    "reported": rnd.reported,
+                    "test_accuracy": m.test_accuracy,
+                    "test_loss": m.test_loss,
+                    "local_accuracy": mean_or_none([g for g, _ in evals if g is not None]),
+                    "bytes_up": moved.get((n, "up"), 0),
+                    "bytes_down": moved.get((n, "down"), 0),
+                    "dispersion": m.dispersion,
+                    "effective_dispersion": dict(extra.get("effective_dispersion", {})),
+                    "latent_clients": m.latent_clients,
+                    "tensors": _tensors(s, fed.id, n, set(rnd.due)),
+                }
+                if personal:
+                    record["personalized_accuracy"] = mean_or_none([p for _, p in evals if p is not None])
+                record["fedavg_equivalent_bytes"] = int(m.fedavg_equivalent_bytes or 0)
+                record["wall_seconds"] = round(float(m.duration_seconds or 0.0), 4)
+                for key in totals:
+                    totals[key] += record[key]
+                    record[f"cumulative_{key}"] = totals[key]
+                if n > after:
+                    records.append(record)
+    finally:
+        engine.dispose()
+    return records
+
+
+def _transfers(s: Session, federation_id: int) -> dict[tuple[int, str], int]:
+    rows = s.execute(
+        select(store.Transfer.round, store.Transfer.direction, func.sum(store.Transfer.bytes))
+        .where(store.Transfer.federation_id == federation_id)
+        .group_by(store.Transfer.round, store.Transfer.direction)
+    ).all()
+    return {(r, d): int(b or 0) for r, d, b in rows}
+
+
+def _tensors(s: Session, federation_id: int, round_: int, due: set[str]) -> dict[str, dict[str, Any]]:
+    rows = s.scalars(
+        select(store.TensorMetric)
+        .where(store.TensorMetric.federation_id == federation_id, store.TensorMetric.round == round_)
+        .order_by(store.TensorMetric.ordinal)
+    ).all()
+    return {
+        t.name: {
+            "role": t.role,
+            "interval": t.interval,
+            "due": t.name in due,
+            "version": t.version,
+            "d_l": t.d_l,
+            "dispersion": t.dispersion,
+            "bytes_down": t.bytes_down,
+            "bytes_up": t.bytes_up,
+        }
+        for t in rows
+    }

@@ -1,0 +1,130 @@
+"""The fast paths of the transport: handler registration, shared FetchModel frames, write-behind last-seen."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import grpc
+import pytest
+from grpc_helpers import SECRET, small_federation
+
+from aggregator_service import store
+from aggregator_service.config import AggregatorSettings
+from aggregator_service.coordinator import Coordinator
+from aggregator_service.errors import Unauthenticated
+from aggregator_service.server import AggregatorServicer, _add_servicer, _serialize_response
+from fedatoms import wire
+from fedatoms.v1 import aggregator_pb2 as pb
+from fedcore import codec
+from fedcore.tiers import CapabilityProfile
+
+
+class _Recorder:
+    """Stands in for ``grpc.Server``: keeps what is registered."""
+
+    def __init__(self) -> None:
+        self.registered: dict[str, Any] = {}
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.registered = handlers
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = datetime.now(UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@pytest.fixture
+def coordinator(sqlite_url: str) -> tuple[Coordinator, _Clock]:
+    settings = AggregatorSettings(
+        listen="127.0.0.1:0", database_url=sqlite_url, enrollment_secret=SECRET, federation=small_federation()
+    )
+    store.upgrade(sqlite_url)
+    clock = _Clock()
+    factory = store.session_factory(store.create_engine_for(sqlite_url))
+    return Coordinator(settings, factory, clock=clock, enrollment_iterations=1_000), clock
+
+
+def _last_seen(c: Coordinator, client_id: str) -> datetime:
+    with c._factory.begin() as s:
+        row = store.get_client(s, client_id)
+        assert row is not None
+        return row.last_seen
+
+
+def test_every_rpc_of_the_proto_is_registered_with_its_streaming_kind(coordinator) -> None:
+    """The handlers are built from the descriptor, so an RPC added to the proto cannot be left unserved."""
+    c, _ = coordinator
+    server = _Recorder()
+    _add_servicer(AggregatorServicer(c, c.settings), server)  # type: ignore[arg-type]
+    methods = pb.DESCRIPTOR.services_by_name["Aggregator"].methods
+    assert set(server.registered) == {m.name for m in methods}
+    for m in methods:
+        h: grpc.RpcMethodHandler = server.registered[m.name]
+        assert (h.request_streaming, h.response_streaming) == (m.client_streaming, m.server_streaming)
+        assert h.response_serializer is _serialize_response
+
+
+def test_serialize_response_passes_bytes_through() -> None:
+    msg = pb.PushReply(accepted=True, round=3)
+    assert _serialize_response(msg) == msg.SerializeToString()
+    assert _serialize_response(b"\x08\x01") == b"\x08\x01"
+
+
+def test_fetch_frames_are_built_once_per_version(coordinator) -> None:
+    """Repeated fetches reuse the serialized chunks; a new EncodedTensor (new version) rebuilds them."""
+    c, _ = coordinator
+    servicer = AggregatorServicer(c, c.settings)
+    tier = 1.0
+    name, tensor, version = c.fetch(_client(c), {})[0][0]
+    encoded = c._encode(tier, "model", name, tensor, version)
+    frames = servicer._frames(tier, pb.TENSOR_KIND_MODEL, encoded)
+    assert servicer._frames(tier, pb.TENSOR_KIND_MODEL, encoded) is frames
+    asm = codec.Reassembler()
+    for frame, nbytes in frames:
+        msg = pb.TensorChunk.FromString(frame)
+        assert msg.kind == pb.TENSOR_KIND_MODEL and len(msg.data) == nbytes
+        asm.add(wire.to_chunk(msg))
+    assert asm.versions() == {name: version}
+    newer = c._encode(tier, "model", name, tensor + 1, version + 1)
+    rebuilt = servicer._frames(tier, pb.TENSOR_KIND_MODEL, newer)
+    assert rebuilt is not frames and pb.TensorChunk.FromString(rebuilt[0][0]).version == version + 1
+
+
+def _client(c: Coordinator) -> Any:
+    reg = c.register(CapabilityProfile(num_samples=10, preferred_tier=1.0), SECRET)
+    return c.authenticate(reg.token)
+
+
+def test_last_seen_refreshes_are_batched_but_never_let_a_client_look_offline(coordinator) -> None:
+    """Fresh refreshes wait for a batch; one whose stored time is old is written at once; revocation is immediate."""
+    c, clock = coordinator
+    a = c.register(CapabilityProfile(num_samples=10, preferred_tier=1.0), SECRET)
+    b = c.register(CapabilityProfile(num_samples=10, preferred_tier=1.0), SECRET)
+    registered = _last_seen(c, a.client_id)
+
+    clock.now += c._touch_every + timedelta(seconds=1)
+    c.authenticate(a.token)  # due, but the stored time is recent: deferred
+    assert _last_seen(c, a.client_id) == registered
+    first = clock.now
+
+    clock.now += c._TOUCH_BATCH
+    c.authenticate(b.token)  # a due refresh finds the batch old enough: both are written
+    assert _last_seen(c, a.client_id) == first
+    assert _last_seen(c, b.client_id) == clock.now
+
+    clock.now += timedelta(seconds=c.settings.heartbeat_timeout_seconds)
+    c.authenticate(a.token)  # stored time half a timeout old: written now, not batched
+    assert _last_seen(c, a.client_id) == clock.now
+
+    with c._factory.begin() as s:
+        assert store.revoke_client(s, a.client_id)
+    with pytest.raises(Unauthenticated, match="revoked"):  # no cached authentication outlives a revocation
+        c.authenticate(a.token)

@@ -1,0 +1,275 @@
+"""The REST API and /metrics against a database a real federation filled, on SQLite and PostgreSQL.
+
+Expected values come from the store's own functions over the same database, so these tests
+check that the dashboard's SQL (paging, window sums, weighted means) says what the store says.
+"""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+from dashboard_helpers import ROUNDS_CLOSED, Federation
+from prometheus_client.parser import text_string_to_metric_families
+
+from aggregator_service import store
+
+
+def test_federation_summary(api: httpx.Client, federation: Federation) -> None:
+    body = api.get("/federation").json()
+    assert body["name"] == "default" and body["state"] == "running"
+    assert (body["current_round"], body["open_round"], body["last_closed_round"]) == (4, 4, ROUNDS_CLOSED)
+    assert body["rounds_planned"] == ROUNDS_CLOSED + 1
+    assert (body["clients_registered"], body["clients_online"], body["clients_revoked"]) == (4, 4, 0)
+    assert body["config"]["model"] == "digits-cnn" and body["config"]["interval_policy"] == "fedlama"
+
+
+def test_rounds_say_what_the_store_says(api: httpx.Client, federation: Federation) -> None:
+    page = api.get("/rounds").json()
+    assert (page["total"], page["offset"], page["limit"]) == (4, 0, 100)
+    items = {r["number"]: r for r in page["items"]}
+    assert [r["number"] for r in page["items"]] == [1, 2, 3, 4]
+    with federation.session() as (s, fed):
+        for rnd, metrics in store.list_rounds(s, fed):
+            got = items[rnd.number]
+            assert (got["state"], got["cohort_size"], got["reported"]) == (rnd.state, len(rnd.cohort), rnd.reported)
+            if metrics is None:
+                assert rnd.number == 4 and got["test_accuracy"] is None and got["bytes_up"] is None
+                continue
+            for key in ("test_accuracy", "test_loss", "dispersion", "latent_clients", "bytes_up", "bytes_down"):
+                assert got[key] == pytest.approx(getattr(metrics, key)), key
+            assert got["fedavg_equivalent_bytes"] == metrics.fedavg_equivalent_bytes
+            summary = store.evaluation_summary(s, fed, rnd.number)
+            assert got["evaluations"] == summary["clients"] == len(federation.evaluated[rnd.number])
+            assert got["mean_client_accuracy"] == pytest.approx(summary["mean_client_accuracy"])
+            assert got["personalized_accuracy"] == pytest.approx(summary["personalized_accuracy"])
+    closed = [r for r in page["items"] if r["state"] == "closed"]
+    assert all(0 <= r["test_accuracy"] <= 1 and r["personalized_accuracy"] is not None for r in closed)
+    assert all(r["duration_seconds"] > 0 and r["dispersion"] > 0 for r in closed)
+    assert items[4]["state"] == "open" and items[4]["closed_at"] is None
+
+
+@pytest.mark.parametrize(
+    ("query", "numbers", "total"),
+    [
+        ("offset=1&limit=2", [2, 3], 4),
+        ("order=desc&limit=2", [4, 3], 4),
+        ("state=open", [4], 1),
+        ("state=closed&order=desc", [3, 2, 1], 3),
+        ("after=2", [3, 4], 2),
+        ("offset=10", [], 4),
+        ("state=abandoned", [], 0),
+    ],
+)
+def test_rounds_paging_and_filters(api: httpx.Client, query: str, numbers: list[int], total: int) -> None:
+    page = api.get(f"/rounds?{query}").json()
+    assert [r["number"] for r in page["items"]] == numbers and page["total"] == total
+
+
+def test_round_detail_and_its_tensors(api: httpx.Client, federation: Federation) -> None:
+    detail = api.get("/rounds/2").json()
+    assert set(detail["cohort"]) == {c.client_id for c in federation.clients}
+    assert detail["due"] and detail["client_metrics"]["train_accuracy"] >= 0
+    assert set(detail["effective_dispersion"]) == {"conv1", "conv2"}  # the atom layers
+    tensors = api.get("/rounds/2/tensors").json()
+    with federation.session() as (s, fed):
+        expected = store.round_tensor_metrics(s, fed, 2)
+    assert [t["name"] for t in tensors] == [t.name for t in expected]
+    assert [t["ordinal"] for t in tensors] == sorted(t["ordinal"] for t in tensors)
+    for got, row in zip(tensors, expected, strict=True):
+        assert (got["role"], got["interval"], got["version"]) == (row.role, row.interval, row.version)
+        assert got["d_l"] == pytest.approx(row.d_l) and got["dispersion"] == pytest.approx(row.dispersion)
+    assert {t["role"] for t in tensors} >= {"atoms", "coefficients"}
+    open_round = api.get("/rounds/4/tensors").json()  # open: bytes so far, nothing aggregated yet
+    assert all(t["d_l"] is None and t["dispersion"] is None for t in open_round)
+
+
+@pytest.mark.parametrize(
+    ("path", "needle"),
+    [
+        ("/rounds/99", "round 99 does not exist"),
+        ("/rounds/99/tensors", "round 99 does not exist"),
+        ("/clients/0123456789abcdef0123456789abcdef", "no client '0123456789abcdef0123456789abcdef'"),
+    ],
+)
+def test_unknown_items_are_404_with_a_reason(api: httpx.Client, path: str, needle: str) -> None:
+    r = api.get(path)
+    assert r.status_code == 404 and needle in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("path", "param"),
+    [
+        ("/rounds?offset=-1", "offset"),
+        ("/rounds?limit=0", "limit"),
+        ("/rounds?limit=1001", "limit"),
+        ("/rounds?limit=ten", "limit"),
+        ("/rounds?state=sleeping", "state"),
+        ("/rounds?order=sideways", "order"),
+        ("/rounds?after=-3", "after"),
+        ("/rounds/0", "number"),
+        ("/rounds/first", "number"),
+        ("/rounds/0/tensors", "number"),
+        ("/clients?status=away", "status"),
+        ("/clients?tier=2", "tier"),
+        ("/clients?offset=x", "offset"),
+        ("/bandwidth?limit=0", "limit"),
+        ("/intervals?limit=5000", "limit"),
+    ],
+)
+def test_bad_parameters_are_422_naming_the_parameter(api: httpx.Client, path: str, param: str) -> None:
+    r = api.get(path)
+    assert r.status_code == 422, r.text
+    assert any(err["loc"][-1] == param for err in r.json()["detail"]), r.json()
+
+
+def test_clients_and_filters(api: httpx.Client, federation: Federation) -> None:
+    page = api.get("/clients").json()
+    assert page["total"] == 4
+    assert [c["name"] for c in page["items"]] == ["dev-0", "dev-1", "dev-2", "spare"]  # registration order
+    with federation.session() as (s, fed):
+        rows = {c.id: c for c in store.list_clients(s, fed)}
+    for c in page["items"]:
+        row = rows[c["id"]]
+        assert (c["tier"], c["rounds_joined"], c["bytes_up"], c["bytes_down"]) == (
+            row.tier,
+            row.rounds_joined,
+            row.bytes_up,
+            row.bytes_down,
+        )
+        assert c["last_accuracy"] == row.last_accuracy and c["online"] and not c["revoked"]
+    trained = [c for c in page["items"] if c["name"] != "spare"]
+    assert all(c["rounds_joined"] == ROUNDS_CLOSED and c["bytes_up"] > 0 for c in trained)
+    assert [c["name"] for c in api.get("/clients?tier=0.25").json()["items"]] == ["dev-1"]
+    assert api.get("/clients?status=online").json()["total"] == 4
+    assert api.get("/clients?status=offline").json()["total"] == 0
+    assert api.get("/clients?offset=3&limit=1").json()["items"][0]["name"] == "spare"
+
+
+def test_client_detail(api: httpx.Client, federation: Federation) -> None:
+    c = federation.clients[2]  # skipped the evaluation of round 2
+    detail = api.get(f"/clients/{c.client_id}").json()
+    assert detail["name"] == "dev-2" and detail["profile"]["device_name"] == "test"
+    assert sum(t["bytes_up"] for t in detail["transfers"]) == detail["bytes_up"]
+    assert sum(t["bytes_down"] for t in detail["transfers"]) == detail["bytes_down"]
+    assert [e["round"] for e in detail["evaluations"]] == [3, 1]  # newest first
+    assert all(0 <= e["global_accuracy"] <= 1 and e["personalized_accuracy"] is not None for e in detail["evaluations"])
+
+
+def test_bandwidth_cumulative_and_saving(api: httpx.Client, federation: Federation) -> None:
+    body = api.get("/bandwidth").json()
+    rows, totals = body["rounds"]["items"], body["totals"]
+    with federation.session() as (s, fed):
+        metrics = [m for _, m in store.list_rounds(s, fed) if m is not None]
+    assert [r["round"] for r in rows] == [1, 2, 3] and body["rounds"]["total"] == 3
+    down = up = fedavg = 0
+    for r, m in zip(rows, metrics, strict=True):
+        down, up, fedavg = down + m.bytes_down, up + m.bytes_up, fedavg + m.fedavg_equivalent_bytes
+        assert (r["bytes_down"], r["bytes_up"], r["fedavg_equivalent_bytes"]) == (
+            m.bytes_down,
+            m.bytes_up,
+            m.fedavg_equivalent_bytes,
+        )
+        assert (r["cumulative_bytes_down"], r["cumulative_bytes_up"], r["cumulative_fedavg_equivalent_bytes"]) == (
+            down,
+            up,
+            fedavg,
+        )
+    assert (totals["rounds"], totals["bytes_down"], totals["bytes_up"], totals["fedavg_equivalent_bytes"]) == (
+        3,
+        down,
+        up,
+        fedavg,
+    )
+    assert totals["saving_ratio"] == pytest.approx(fedavg / (down + up)) and totals["saving_ratio"] > 1
+    assert totals["saved_fraction"] == pytest.approx(1 - (down + up) / fedavg)
+    later = api.get("/bandwidth?after=1&limit=1").json()["rounds"]  # running totals still start at round 1
+    assert later["total"] == 2 and later["items"] == [rows[1]]
+
+
+def test_intervals_now_and_history(api: httpx.Client, federation: Federation) -> None:
+    body = api.get("/intervals").json()
+    assert body["rounds"] == [1, 2, 3]
+    with federation.session() as (s, fed):
+        current = store.tensor_intervals(s, fed)
+        versions = store.tensor_versions(s, fed)
+        history = {name: store.tensor_metric_history(s, fed, name)[:ROUNDS_CLOSED] for name in current}
+    assert {t["name"] for t in body["tensors"]} == set(current)
+    for t in body["tensors"]:
+        assert (t["interval"], t["version"]) == (current[t["name"]], versions[t["name"]])
+        assert [(p["round"], p["interval"]) for p in t["history"]] == [
+            (m.round, m.interval) for m in history[t["name"]]
+        ]
+    assert [t["ordinal"] for t in body["tensors"]] == sorted(t["ordinal"] for t in body["tensors"])
+    assert any(p["interval"] > 1 for t in body["tensors"] for p in t["history"])  # FedLAMA lengthened some
+    one = api.get("/intervals?after=1&limit=1&tensor=conv1.atoms").json()
+    assert one["rounds"] == [2] and [t["name"] for t in one["tensors"]] == ["conv1.atoms"]
+    assert [p["round"] for p in one["tensors"][0]["history"]] == [2]
+
+
+def _metrics(text: str) -> dict[str, float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def test_prometheus_metrics(dashboard, federation: Federation) -> None:
+    r = httpx.get(f"{dashboard.base_url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    m = _metrics(r.text)
+    assert m["fedatoms_database_up"] == 1 and m["fedatoms_current_round"] == 4
+    assert m["fedatoms_clients_online"] == 4 and m["fedatoms_clients_registered"] == 4
+    assert m["fedatoms_federation_state{state=running}"] == 1 and m["fedatoms_rounds{state=closed}"] == 3
+    assert m["fedatoms_round_duration_seconds_count"] == ROUNDS_CLOSED
+    with federation.session() as (s, fed):
+        clients = store.list_clients(s, fed)
+        last = store.list_rounds(s, fed, newest_first=True, limit=2)[1][1]
+        assert last is not None
+        durations = [m.duration_seconds for _, m in store.list_rounds(s, fed) if m is not None]
+        tensors = store.round_tensor_metrics(s, fed, ROUNDS_CLOSED)
+    assert m["fedatoms_round_duration_seconds_sum"] == pytest.approx(sum(durations))
+    assert m["fedatoms_round_duration_seconds_bucket{le=+Inf}"] == ROUNDS_CLOSED
+    assert m["fedatoms_bytes_up_total"] == sum(c.bytes_up for c in clients)
+    assert m["fedatoms_bytes_down_total"] == sum(c.bytes_down for c in clients)
+    assert m["fedatoms_global_test_accuracy"] == pytest.approx(last.test_accuracy)
+    assert m["fedatoms_dispersion"] == pytest.approx(last.dispersion)
+    assert 0 <= m["fedatoms_mean_client_accuracy"] <= 1 and 0 <= m["fedatoms_personalized_accuracy"] <= 1
+    for t in tensors:
+        labels = f"role={t.role},tensor={t.name}"
+        assert m[f"fedatoms_tensor_interval{{{labels}}}"] == t.interval
+        if t.dispersion is None:  # not due in the last round (its interval is longer): no sample
+            assert f"fedatoms_tensor_dispersion{{{labels}}}" not in m
+        else:
+            assert math.isclose(m[f"fedatoms_tensor_dispersion{{{labels}}}"], t.dispersion, rel_tol=1e-9)
+    assert any(t.dispersion is None for t in tensors) and any(t.dispersion is not None for t in tensors)
+
+
+def test_health_and_readiness(dashboard) -> None:
+    assert httpx.get(f"{dashboard.base_url}/healthz").json() == {"status": "ok"}
+    ready = httpx.get(f"{dashboard.base_url}/readyz")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+
+
+def test_no_response_carries_a_secret(api: httpx.Client, dashboard, federation: Federation) -> None:
+    secrets = federation.secrets()
+    assert len(secrets) == 3 + 2 * len(federation.everyone)
+    paths = [
+        "/federation",
+        "/rounds",
+        "/clients",
+        "/bandwidth",
+        "/intervals",
+        *(f"/rounds/{n}" for n in range(1, 5)),
+        *(f"/rounds/{n}/tensors" for n in range(1, 5)),
+        *(f"/clients/{c.client_id}" for c in federation.everyone),
+    ]
+    bodies = [api.get(p).text for p in paths]
+    bodies += [httpx.get(f"{dashboard.base_url}{p}").text for p in ("/metrics", "/openapi.json", "/", "/readyz")]
+    for body in bodies:
+        assert body
+        for secret in secrets:
+            assert secret not in body

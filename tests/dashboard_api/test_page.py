@@ -1,0 +1,82 @@
+"""The page in a real browser (Debian's Chromium driven by Playwright) against a live dashboard."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from dashboard_helpers import Federation, LiveServer, database, run_federation
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
+
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} missing: apt-get install chromium")
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Federation]:
+    """SQLite only: the page reads the same API either way."""
+    with database("sqlite", tmp_path_factory.mktemp("page")) as url:
+        yield from run_federation(url)
+
+
+def test_page_plots_the_rounds_without_console_errors(
+    dashboard: LiveServer, api: httpx.Client, federation: Federation, tmp_path: Path
+) -> None:
+    os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
+    from playwright.sync_api import sync_playwright
+
+    closed = [r["number"] for r in api.get("/rounds?state=closed").json()["items"]]
+    rounds = {r["number"]: r for r in api.get("/rounds").json()["items"]}
+    assert closed == [1, 2, 3]
+    problems: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
+            page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+            page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
+            page.goto(dashboard.base_url + "/")
+            page.wait_for_function("window.fedatomsDashboard && window.fedatomsDashboard.polls >= 2", timeout=30_000)
+            series = page.evaluate("window.fedatomsDashboard.series")
+            assert page.evaluate("window.fedatomsDashboard.lastError") is None
+
+            accuracy = series["accuracy"]
+            assert accuracy["x"] == closed
+            assert accuracy["global (server test set)"] == pytest.approx([rounds[n]["test_accuracy"] for n in closed])
+            assert accuracy["clients, global model"] == pytest.approx(
+                [rounds[n]["mean_client_accuracy"] for n in closed]
+            )
+            assert accuracy["clients, personalized"] == pytest.approx(
+                [rounds[n]["personalized_accuracy"] for n in closed]
+            )
+            assert series["dispersion"]["total dispersion"] == pytest.approx([rounds[n]["dispersion"] for n in closed])
+            tensors = [t["name"] for t in api.get("/intervals").json()["tensors"]]
+            for key in ("heatmap", "dl", "intervals"):
+                assert series[key]["x"] == closed and set(series[key]) == {"x", *tensors}, key
+            bandwidth = api.get("/bandwidth").json()["rounds"]["items"]
+            assert series["bytes"]["FedAvg-equivalent"] == [r["cumulative_fedavg_equivalent_bytes"] for r in bandwidth]
+
+            for element in (
+                "chart-accuracy",
+                "chart-dispersion",
+                "heatmap",
+                "chart-dl",
+                "chart-intervals",
+                "chart-bytes",
+            ):
+                assert page.get_attribute(f"#{element}", "data-points") == str(len(closed)), element
+            assert page.locator("#chart-accuracy canvas").count() >= 1
+            assert page.locator("#clients-table tbody tr").count() == 4
+            assert page.locator("#rounds-table tbody tr").count() == 4
+            assert page.locator("#fed-state").inner_text() == "running"
+            assert "dev-1" in page.locator("#clients-table").inner_text()
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        finally:
+            browser.close()
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    assert problems == []
