@@ -145,6 +145,7 @@ class Coordinator:
         self.config = settings.federation
         self.clock = clock
         self._factory = factory
+        self._reader = _reader_for(factory)
         self._iterations = enrollment_iterations
         self._lock = threading.RLock()
         self._accepted_secrets: set[str] = set()
@@ -153,6 +154,9 @@ class Coordinator:
         self._eval_data: Any = None
         # encoded (and pre-chunked) tensors per (tier, kind, name): one version each, replaced when it changes
         self._encoded: dict[tuple[float, str, str], EncodedTensor] = {}
+        # downloads counted since the last write: (round, client id) → (bytes, bytes per full-rank tensor)
+        self._downloads: dict[tuple[int, str], tuple[int, dict[str, int]]] = {}
+        self._downloads_lock = threading.Lock()
         if settings.eval_dataset:
             from fedcore.data import load_dataset
 
@@ -316,13 +320,18 @@ class Coordinator:
         query = select(c.id, c.federation_id, c.revoked_at, c.tier, c.name, c.number, c.last_seen).where(
             c.token_hash == store.hash_token(token)
         )
-        with self._auth_serial(), self._factory.begin() as s:
+        with self._reader() as s:  # a read: under SQLite's WAL it waits for no writer
             row = s.execute(query).one_or_none()  # columns, not an ORM object: this runs for every RPC
-            if row is None or row.federation_id != self._fed_row.id:
-                raise Unauthenticated("unknown token: register again to get a new client id and token")
-            if row.revoked_at is not None:
-                raise Unauthenticated(f"token revoked for client {row.id}: the operator removed this client")
-            self._touch(s, row.id, row.last_seen, now)
+        if row is None or row.federation_id != self._fed_row.id:
+            raise Unauthenticated("unknown token: register again to get a new client id and token")
+        if row.revoked_at is not None:
+            raise Unauthenticated(f"token revoked for client {row.id}: the operator removed this client")
+        due = self._touch(row.id, row.last_seen, now)
+        if due:
+            from sqlalchemy import update  # (local: this file's imports are shared with other work)
+
+            with self._factory.begin() as s:
+                s.execute(update(store.Client), [{"id": cid, "last_seen": t} for cid, t in due.items()])
         return ClientInfo(row.id, float(row.tier), row.name, client_key(row.number))
 
     # Last-seen refreshes are written behind, batched: each write is a commit (an fsync on SQLite,
@@ -331,22 +340,9 @@ class Coordinator:
     _touch_guard = threading.Lock()  # class-wide on purpose: it only guards the swaps of the two fields below
     _pending_touches: dict[str, datetime] | None = None  # client id → last seen, not yet written
     _pending_since: datetime | None = None
-    _sqlite_guard = threading.Lock()  # class-wide too: see _auth_serial
 
-    def _auth_serial(self) -> Any:  # a context manager (Any: this file's imports are shared with other work)
-        """On SQLite, one token lookup at a time per process.
-
-        Every SQLite transaction here starts with ``BEGIN IMMEDIATE``; concurrent lookups would
-        meet at the write lock and wait in SQLite's busy handler, which sleeps 1…100 ms between
-        tries (that was GetTask's p99). A Python lock hands over at once. PostgreSQL needs none.
-        """
-        from contextlib import nullcontext
-
-        bind = self._factory.kw.get("bind")
-        return self._sqlite_guard if bind is not None and bind.dialect.name == "sqlite" else nullcontext()
-
-    def _touch(self, s: Session, client_id: str, last_seen: datetime, now: datetime) -> None:
-        """Refresh a client's last-seen time (at most every ``_touch_every``), in ``s`` or batched.
+    def _touch(self, client_id: str, last_seen: datetime, now: datetime) -> dict[str, datetime] | None:
+        """Refresh a client's last-seen time (at most every ``_touch_every``): the refreshes due now, or None.
 
         A refresh is only deferred while the stored time is well inside the heartbeat timeout
         (younger than half of it), so the database never shows an active client as offline;
@@ -355,7 +351,7 @@ class Coordinator:
         """
         last = self._touched.get(client_id)
         if last is not None and now - last < self._touch_every:
-            return
+            return None
         self._touched[client_id] = now
         fresh = now - last_seen < timedelta(seconds=self.settings.heartbeat_timeout_seconds / 2)
         with self._touch_guard:
@@ -367,10 +363,7 @@ class Coordinator:
                 self._pending_touches, self._pending_since = {}, None
             else:
                 self._pending_touches = pending
-        if due:
-            from sqlalchemy import update  # (local: this file's imports are shared with other work)
-
-            s.execute(update(store.Client), [{"id": cid, "last_seen": t} for cid, t in pending.items()])
+        return pending if due else None
 
     def heartbeat(self, client: ClientInfo) -> tuple[float, int, int]:
         """``(server time, current round, last closed round)``; :meth:`authenticate` refreshed last-seen."""
@@ -503,14 +496,50 @@ class Coordinator:
     def record_download(
         self, client: ClientInfo, nbytes: int, per_tensor: Mapping[str, int] | None = None, round_: int | None = None
     ) -> None:
-        """Count bytes sent to ``client`` toward ``round_`` (see :meth:`download_round`), per full-rank tensor too."""
+        """Count bytes sent to ``client`` toward ``round_`` (see :meth:`download_round`), per full-rank tensor too.
+
+        Counted in memory and written with the next transaction the service commits anyway (a push,
+        an evaluation, a round close, the deadline ticker's second, shutdown): a fetch costs no commit
+        of its own. A SIGKILL loses at most about a second of download counts, never an update.
+        """
         number = self.download_round(None) if round_ is None else round_
         if nbytes <= 0 or number < 1:
             return
-        with self._factory.begin() as s:
-            store.record_transfer(
-                s, self._fed_row, number, client.id, "down", nbytes, self._owners(client.tier, per_tensor or {})
-            )
+        per = self._owners(client.tier, per_tensor or {})
+        with self._downloads_lock:
+            total, tensors = self._downloads.get((number, client.id), (0, {}))
+            for name, b in per.items():
+                tensors[name] = tensors.get(name, 0) + b
+            self._downloads[(number, client.id)] = (total + nbytes, tensors)
+
+    def _write_downloads(self, s: Session) -> dict[tuple[int, str], tuple[int, dict[str, int]]]:
+        """Write the counted downloads in ``s``; returns them, for :meth:`_unwrite_downloads` after a rollback."""
+        with self._downloads_lock:
+            drained, self._downloads = self._downloads, {}
+        for (number, client_id), (nbytes, tensors) in sorted(drained.items()):
+            store.record_transfer(s, self._fed_row, number, client_id, "down", nbytes, tensors)
+        return drained
+
+    def _unwrite_downloads(self, drained: Mapping[tuple[int, str], tuple[int, dict[str, int]]]) -> None:
+        with self._downloads_lock:
+            for key, (nbytes, tensors) in drained.items():
+                total, now = self._downloads.get(key, (0, {}))
+                for name, b in tensors.items():
+                    now[name] = now.get(name, 0) + b
+                self._downloads[key] = (total + nbytes, now)
+
+    def flush_downloads(self) -> None:
+        """Write counted downloads now (the ticker calls it every second; :func:`serve` at shutdown)."""
+        with self._downloads_lock:
+            if not self._downloads:
+                return
+        drained: Mapping[tuple[int, str], tuple[int, dict[str, int]]] = {}
+        try:
+            with self._factory.begin() as s:
+                drained = self._write_downloads(s)
+        except Exception:
+            self._unwrite_downloads(drained)
+            raise
 
     def _owners(self, tier: float, per_tensor: Mapping[str, int]) -> dict[str, int]:
         """Tier tensors' bytes counted toward the full-rank tensor each belongs to (a factor pair: what it rebuilds)."""
@@ -554,8 +583,10 @@ class Coordinator:
                 tensor_bytes = {}
                 for n, a in [*model.items(), *(deltas or {}).items()]:
                     tensor_bytes[n] = tensor_bytes.get(n, 0) + a.nbytes
+            drained: Mapping[tuple[int, str], tuple[int, dict[str, int]]] = {}
             try:
                 with self._factory.begin() as s:
+                    drained = self._write_downloads(s)
                     _, duplicate = store.store_update(
                         s, self._fed_row, round_, client.id, update_id, int(num_samples), clean_metrics, model, deltas
                     )
@@ -563,9 +594,14 @@ class Coordinator:
                         per_tensor = self._owners(client.tier, tensor_bytes)
                         store.record_transfer(s, self._fed_row, round_, client.id, "up", size, per_tensor)
             except store.UpdateConflict as exc:
+                self._unwrite_downloads(drained)
                 raise FailedPrecondition(f"{exc}; a retry must reuse the original update_id") from exc
             except (store.RoundStateError, store.NotInCohort, store.NotFound) as exc:
+                self._unwrite_downloads(drained)
                 raise FailedPrecondition(f"{exc}: poll GetTask for the current task") from exc
+            except BaseException:
+                self._unwrite_downloads(drained)
+                raise
             op.reported.add(client.key)
             log.info(
                 kv("update_stored", round=round_, client=client.id, duplicate=duplicate, tensors=len(model), bytes=size)
@@ -588,9 +624,11 @@ class Coordinator:
         op = self._open
         assert op is not None
         fed, plan = self.federation, op.plan
+        drained: Mapping[tuple[int, str], tuple[int, dict[str, int]]] = {}
         try:
             with self._factory.begin() as s:
                 store.lock_round(s, self._fed_row, plan.round)
+                drained = self._write_downloads(s)  # the round's metrics sum its transfers
                 members = {
                     cid: (client_key(number), float(tier))
                     for cid, number, tier in s.execute(
@@ -639,6 +677,7 @@ class Coordinator:
                     next_round=None if done else plan.round + 1,
                 )
         except Exception:
+            self._unwrite_downloads(drained)
             self._load()  # the transaction rolled back: the in-memory engine must forget the fold
             raise
         self._open = None
@@ -691,6 +730,7 @@ class Coordinator:
     def tick(self, now: datetime | None = None) -> None:
         """Deadlines: close with the quorum, else extend once, else abandon (the next GetTask resamples)."""
         now = now or self.clock()
+        self.flush_downloads()
         with self._lock:
             self._refresh_state()
             op = self._open
@@ -762,6 +802,7 @@ class Coordinator:
             existing = s.get(store.Evaluation, (self._fed_row.id, round_, client.id))
             if existing is not None:
                 return False
+            self._write_downloads(s)  # a failed commit loses these download counts, nothing else
             store.record_evaluation(
                 s,
                 self._fed_row,
@@ -781,6 +822,15 @@ def _finite_or_none(value: float | None) -> float | None:
 
 def _finite_dict(values: Mapping[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in values.items() if math.isfinite(v)}
+
+
+def _reader_for(factory: sessionmaker[Session]) -> sessionmaker[Session]:
+    """Sessions for reads that take no lock: on a SQLite file, an engine that begins DEFERRED (WAL readers
+    never wait for the writer); elsewhere the writer's own factory."""
+    bind = factory.kw.get("bind")
+    if bind is None or bind.dialect.name != "sqlite" or bind.url.database in (None, "", ":memory:"):
+        return factory
+    return store.session_factory(store.create_engine_for(bind.url, sqlite_begin="DEFERRED"))
 
 
 def _keys(s: Session, ids: Any) -> dict[str, str]:

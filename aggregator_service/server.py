@@ -403,5 +403,6 @@ def serve(settings: AggregatorSettings) -> int:
     health_servicer.enter_graceful_shutdown()
     ticker.stop()
     server.stop(grace=10).wait()
+    coordinator.flush_downloads()
     log.info(kv("stopped"))
     return 0

