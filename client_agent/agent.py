@@ -168,11 +168,16 @@ class Agent:
             self._push_pending()
             return 0.0
         if s.evaluate_round is not None:
-            closed = self.client.heartbeat().last_closed_round
-            if closed < s.evaluate_round:
-                return self.eval_poll_seconds
-            self._evaluate(closed)
-            return 0.0
+            beat = self.client.heartbeat()
+            if beat.last_closed_round >= s.evaluate_round:
+                self._evaluate(beat.last_closed_round)
+                return 0.0
+            if beat.current_round > s.evaluate_round:  # a later round opened first: ours was abandoned
+                log.warning("event=round_abandoned round=%d current=%d", s.evaluate_round, beat.current_round)
+                s.evaluate_round = None
+                self._save()
+                return 0.0
+            return self.eval_poll_seconds
         task = self.client.get_task()
         kind = task.WhichOneof("kind")
         if kind == "train":

@@ -306,3 +306,57 @@ def test_grpc_errors_other_than_transient_are_not_retried(tmp_path: Path) -> Non
     finally:
         client.close()
         server.stop(grace=None)
+
+
+def test_agent_waiting_on_an_abandoned_round_moves_on_to_the_next(tmp_path: Path) -> None:
+    """Round 1 misses its quorum twice and is abandoned: the agent that pushed for it must not wait forever."""
+    from datetime import timedelta
+
+    from client_agent.agent import Agent
+
+    url = f"sqlite:///{tmp_path / 'agg.db'}"
+    settings = AggregatorSettings(
+        listen="127.0.0.1:0",
+        database_url=url,
+        enrollment_secret=SECRET,
+        quorum=1.0,
+        poll_interval_seconds=0.01,
+        federation=FederationConfig(model="digits-cnn", fraction=1.0, min_clients=2, rounds=3, batch_size=32),
+    )
+    store.upgrade(url)
+    coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
+    server, port, _ = build_server(settings, coordinator, max_workers=8)
+    server.start()
+    train, test = load_dataset("digits")
+    channel = AggregatorClient(f"127.0.0.1:{port}")
+    silent = AggregatorClient(f"127.0.0.1:{port}")
+    try:
+        agent = Agent(
+            channel,
+            tmp_path / "device",
+            train.subset(torch.arange(100).numpy()),
+            test.subset(torch.arange(50).numpy()),
+            profile=CapabilityProfile(num_samples=100),
+            enrollment_secret=SECRET,
+            eval_poll_seconds=0.0,
+        )
+        agent.ensure_registered()
+        silent.register(CapabilityProfile(num_samples=100), SECRET)  # in the cohort, never pushes
+        for _ in range(20):
+            agent.step()
+            if agent.state is not None and agent.state.evaluate_round == 1:
+                break
+        assert agent.state is not None and agent.state.evaluate_round == 1  # pushed, waiting for round 1 to close
+        deadline = coordinator._open.deadline
+        coordinator.tick(deadline + timedelta(seconds=1))  # no quorum: extended once
+        coordinator.tick(deadline + timedelta(seconds=settings.deadline_seconds + 2))  # still none: abandoned
+        assert coordinator.open_round is None
+        assert silent.get_task().train.round == 2  # round 2 opens
+        agent.step()  # sees round 2 open while round 1 never closed
+        assert agent.state.evaluate_round is None
+        agent.step()  # polls, trains and pushes round 2
+        assert agent.state.last_round == 2
+    finally:
+        channel.close()
+        silent.close()
+        server.stop(grace=None)
