@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 from torch import Tensor
@@ -320,8 +321,8 @@ class Coordinator:
         query = select(c.id, c.federation_id, c.revoked_at, c.tier, c.name, c.number, c.last_seen).where(
             c.token_hash == store.hash_token(token)
         )
-        with self._reader() as s:  # a read: under SQLite's WAL it waits for no writer
-            row = s.execute(query).one_or_none()  # columns, not an ORM object: this runs for every RPC
+        with self._reader.connect() as conn:  # a Core read: under SQLite's WAL it waits for no writer
+            row = conn.execute(query).one_or_none()  # columns, no ORM session: this runs for every RPC
         if row is None or row.federation_id != self._fed_row.id:
             raise Unauthenticated("unknown token: register again to get a new client id and token")
         if row.revoked_at is not None:
@@ -824,13 +825,13 @@ def _finite_dict(values: Mapping[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in values.items() if math.isfinite(v)}
 
 
-def _reader_for(factory: sessionmaker[Session]) -> sessionmaker[Session]:
-    """Sessions for reads that take no lock: on a SQLite file, an engine that begins DEFERRED (WAL readers
-    never wait for the writer); elsewhere the writer's own factory."""
-    bind = factory.kw.get("bind")
-    if bind is None or bind.dialect.name != "sqlite" or bind.url.database in (None, "", ":memory:"):
-        return factory
-    return store.session_factory(store.create_engine_for(bind.url, sqlite_begin="DEFERRED"))
+def _reader_for(factory: sessionmaker[Session]) -> Engine:
+    """An engine for reads that take no lock: on a SQLite file, one that begins DEFERRED (WAL readers
+    never wait for the writer); elsewhere the writer's own engine."""
+    bind = factory.kw["bind"]
+    if bind.dialect.name != "sqlite" or bind.url.database in (None, "", ":memory:"):
+        return bind
+    return store.create_engine_for(bind.url, sqlite_begin="DEFERRED")
 
 
 def _keys(s: Session, ids: Any) -> dict[str, str]:

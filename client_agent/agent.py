@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -49,6 +50,54 @@ EXIT_CODES = {
     "diverged": 5,  # local training produced NaN/Inf: lower the federation's learning rate
     "interrupted": 130,  # SIGINT / SIGTERM
 }
+
+
+class RoundWatch:
+    """One heartbeat stream for many agents in a process: they wait on it instead of each polling the server.
+
+    A thread calls ``Heartbeat`` every ``interval`` seconds with ``client`` (any enrolled identity)
+    and wakes the waiters whenever the reply changes.
+    """
+
+    def __init__(self, client: AggregatorClient, interval: float = 0.02) -> None:
+        self.client, self.interval = client, interval
+        self._latest: pb.HeartbeatReply | None = None
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="round-watch", daemon=True)
+
+    def start(self) -> RoundWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                beat = self.client.heartbeat(retry=False)
+            except grpc.RpcError:
+                self._stop.wait(0.5)  # the agents' own calls retry and report; this one only waits
+                continue
+            with self._changed:
+                last = self._latest
+                if last is None or (last.current_round, last.last_closed_round) != (
+                    beat.current_round,
+                    beat.last_closed_round,
+                ):
+                    self._latest = beat
+                    self._changed.notify_all()
+            self._stop.wait(self.interval)
+
+    def wait(self, ready: Callable[[pb.HeartbeatReply], bool], timeout: float) -> pb.HeartbeatReply:
+        """The latest reply once ``ready`` holds for it, or after ``timeout`` seconds (fresh from the server)."""
+        with self._changed:
+            if self._changed.wait_for(lambda: self._latest is not None and ready(self._latest), timeout):
+                assert self._latest is not None
+                return self._latest
+        return self.client.heartbeat()
 
 
 class TrainingDiverged(RuntimeError):
@@ -101,6 +150,7 @@ class Agent:
         eval_poll_seconds: float = 1.0,
         compute_lock: threading.Lock | None = None,
         durable: bool = True,
+        round_watch: RoundWatch | None = None,
     ) -> None:
         self.client = client
         self.state_dir = Path(state_dir)
@@ -114,6 +164,7 @@ class Agent:
         # agents sharing a process take turns on the CPU, while their network waits overlap
         self.compute_lock = compute_lock or threading.Lock()
         self.durable = durable  # fsync every state save (a simulation's virtual clients skip it)
+        self.round_watch = round_watch  # shared by the agents of one process: one heartbeat stream, not one each
         self.credentials: Credentials | None = None
         self.spec: ModelSpec | None = None
         self.state: ClientState | None = None
@@ -168,7 +219,11 @@ class Agent:
             self._push_pending()
             return 0.0
         if s.evaluate_round is not None:
-            beat = self.client.heartbeat()
+            r = s.evaluate_round
+            if self.round_watch is not None:
+                beat = self.round_watch.wait(lambda b: b.last_closed_round >= r or b.current_round > r, timeout=1.0)
+            else:
+                beat = self.client.heartbeat()
             if beat.last_closed_round >= s.evaluate_round:
                 self._evaluate(beat.last_closed_round)
                 return 0.0

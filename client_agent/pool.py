@@ -117,7 +117,7 @@ class WorkerJob:
     state_root: str
     tls_ca: str | None = None
     torch_threads: int = 1
-    eval_poll_seconds: float = 0.05
+    eval_poll_seconds: float = 0.02  # how often one watcher per process asks whether a round closed
 
 
 def state_dir(root: str | Path, index: int) -> Path:
@@ -162,7 +162,7 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
     """Run the job's agents until the federation is done; returns ``{client key: rounds trained}``."""
     import torch
 
-    from client_agent.agent import Agent
+    from client_agent.agent import Agent, RoundWatch
     from client_agent.transport import AggregatorClient
 
     torch.set_num_threads(job.torch_threads)
@@ -170,6 +170,7 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
     compute = threading.Lock()  # one training at a time per process; network waits overlap
     channel = AggregatorClient(job.target, tls_ca=Path(job.tls_ca) if job.tls_ca else None)
     agents: dict[int, Agent] = {}
+    watch = RoundWatch(AggregatorClient.sharing(channel), interval=job.eval_poll_seconds)
     for i in job.indices:
         vc = clients[i]
         agent = Agent(
@@ -180,9 +181,12 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
             eval_poll_seconds=job.eval_poll_seconds,
             compute_lock=compute,
             durable=False,
+            round_watch=watch,
         )
         agent.ensure_registered()
         agents[i] = agent
+    watch.client.token = next(iter(agents.values())).client.token  # any enrolled identity may watch
+    watch.start()
     errors: list[BaseException] = []
     stop = threading.Event()
 
@@ -205,6 +209,7 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
             t.join()
     finally:
         stop.set()
+        watch.stop()
         channel.close()
     if errors:
         raise errors[0]
@@ -219,7 +224,7 @@ def run_grpc_pool(
     workers: int = 2,
     tls_ca: str | None = None,
     poll: Callable[[], None] | None = None,
-    eval_poll_seconds: float = 0.05,
+    eval_poll_seconds: float = 0.02,
 ) -> dict[str, int]:
     """Run every virtual client through ``workers`` processes until the federation is done.
 

@@ -59,30 +59,28 @@ def record_transfer(
     if direction not in TRANSFER_DIRECTIONS:
         raise ValueError(f"direction must be 'down' or 'up', got {direction!r}")
     nbytes = _count(nbytes, "bytes")
+    key = "bytes_down" if direction == "down" else "bytes_up"
     if per_tensor:
-        key = "bytes_down" if direction == "down" else "bytes_up"
         rows = [
             {"federation_id": fed.id, "round": round, "name": n, key: _count(b, f"bytes of {n!r}")}
             for n, b in sorted(per_tensor.items())
         ]
-        tm = _upsert(session)(TensorMetric).values(rows)
-        session.execute(
-            tm.on_conflict_do_update(
-                index_elements=["federation_id", "round", "name"],
-                set_={key: getattr(TensorMetric, key) + getattr(tm.excluded, key)},
-            )
-        )
-    ins = _upsert(session)(Transfer).values(
-        federation_id=fed.id, round=round, client_id=client_id, direction=direction, bytes=nbytes
-    )
-    session.execute(
-        ins.on_conflict_do_update(
-            index_elements=["federation_id", "round", "client_id", "direction"],
-            set_={"bytes": Transfer.bytes + ins.excluded.bytes},
-        )
-    )
+        _add(session, TensorMetric.__table__, ("federation_id", "round", "name"), key, rows)
+    row = {"federation_id": fed.id, "round": round, "client_id": client_id, "direction": direction, "bytes": nbytes}
+    _add(session, Transfer.__table__, ("federation_id", "round", "client_id", "direction"), "bytes", [row])
     column = Client.bytes_down if direction == "down" else Client.bytes_up
     session.execute(update(Client).where(Client.id == client_id).values({column: column + nbytes}))
+
+
+def _add(session: Session, table: Any, keys: tuple[str, ...], column: str, rows: list[dict[str, Any]]) -> None:
+    """``INSERT … ON CONFLICT (keys) DO UPDATE SET column = column + excluded.column`` for every row.
+
+    One Core statement run with many parameter sets: it compiles once per process (statement
+    cache) instead of once per call, which a multi-row VALUES or the ORM's bulk path would not.
+    """
+    ins = _upsert(session)(table)
+    stmt = ins.on_conflict_do_update(index_elements=list(keys), set_={column: table.c[column] + ins.excluded[column]})
+    session.connection().execute(stmt, rows)
 
 
 def round_transfers(session: Session, fed: Federation, round: int) -> list[Transfer]:

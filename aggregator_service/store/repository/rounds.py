@@ -239,16 +239,16 @@ def store_update(
         with session.begin_nested():
             session.add(upd)
             session.flush()
-            if rows:
-                session.execute(
-                    insert(UpdateTensor),
+            if rows:  # Core, not the ORM's bulk path: a push is on every client's critical path
+                session.connection().execute(
+                    insert(UpdateTensor.__table__),  # type: ignore[arg-type]  # a Table at runtime
                     [
                         {
                             "update_pk": upd.id,
                             "kind": kind,
                             "name": name,
                             "dtype": dtype,
-                            "shape": list(shape),
+                            "shape_json": list(shape),
                             "data": data,
                         }
                         for kind, name, (dtype, shape, data) in rows
