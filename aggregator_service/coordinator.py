@@ -27,7 +27,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 import torch
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -40,7 +40,6 @@ from aggregator_service.errors import FailedPrecondition, InvalidArgument, Unaut
 from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome, RoundPlan, client_key, client_number, derive_seed
 from aggregator_service.validation import check_header, check_tensors
-from fedcore import codec
 from fedcore.tiers import CapabilityProfile, NoTierFitsError, assign_tier
 from fedcore.training import TrainConfig
 
@@ -103,18 +102,6 @@ class Done:
     final_round: int
 
 
-class EncodedTensor(NamedTuple):
-    """One tensor ready to stream: its name, version and pre-cut :class:`fedcore.codec.Chunk` pieces."""
-
-    name: str
-    version: int
-    chunks: tuple[codec.Chunk, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(c.data) for c in self.chunks)
-
-
 class PushResult(NamedTuple):
     accepted: bool
     duplicate: bool
@@ -153,11 +140,12 @@ class Coordinator:
         self._touched: dict[str, datetime] = {}
         self._touch_every = timedelta(seconds=min(5.0, settings.heartbeat_timeout_seconds / 4))
         self._eval_data: Any = None
-        # encoded (and pre-chunked) tensors per (tier, kind, name): one version each, replaced when it changes
-        self._encoded: dict[tuple[float, str, str], EncodedTensor] = {}
         # downloads counted since the last write: (round, client id) → (bytes, bytes per full-rank tensor)
         self._downloads: dict[tuple[int, str], tuple[int, dict[str, int]]] = {}
         self._downloads_lock = threading.Lock()
+        self._touch_guard = threading.Lock()
+        self._pending_touches: dict[str, datetime] = {}  # client id → last seen, not yet written
+        self._pending_since: datetime | None = None
         if settings.eval_dataset:
             from fedcore.data import load_dataset
 
@@ -198,7 +186,6 @@ class Coordinator:
             else:
                 self._restore(s, row, fed)
             self._fed_row, self.federation = row, fed
-            self._encoded = {}  # a reload may roll tensors back to what the database holds
             self._state = row.state
             self._open = self._load_open_round(s, row, fed)
         log.info(
@@ -329,18 +316,13 @@ class Coordinator:
             raise Unauthenticated(f"token revoked for client {row.id}: the operator removed this client")
         due = self._touch(row.id, row.last_seen, now)
         if due:
-            from sqlalchemy import update  # (local: this file's imports are shared with other work)
-
             with self._factory.begin() as s:
-                s.execute(update(store.Client), [{"id": cid, "last_seen": t} for cid, t in due.items()])
+                _write_touches(s, due)
         return ClientInfo(row.id, float(row.tier), row.name, client_key(row.number))
 
     # Last-seen refreshes are written behind, batched: each write is a commit (an fsync on SQLite,
     # ~5 ms), so 1,000 polling clients touched one by one serialize on the write lock.
     _TOUCH_BATCH = timedelta(seconds=1)
-    _touch_guard = threading.Lock()  # class-wide on purpose: it only guards the swaps of the two fields below
-    _pending_touches: dict[str, datetime] | None = None  # client id → last seen, not yet written
-    _pending_since: datetime | None = None
 
     def _touch(self, client_id: str, last_seen: datetime, now: datetime) -> dict[str, datetime] | None:
         """Refresh a client's last-seen time (at most every ``_touch_every``): the refreshes due now, or None.
@@ -356,15 +338,15 @@ class Coordinator:
         self._touched[client_id] = now
         fresh = now - last_seen < timedelta(seconds=self.settings.heartbeat_timeout_seconds / 2)
         with self._touch_guard:
-            pending = self._pending_touches if self._pending_touches is not None else {}
-            pending[client_id] = now
+            self._pending_touches[client_id] = now
             since = self._pending_since = self._pending_since or now
-            due = not fresh or now - since >= self._TOUCH_BATCH
-            if due:
-                self._pending_touches, self._pending_since = {}, None
-            else:
-                self._pending_touches = pending
-        return pending if due else None
+            if fresh and now - since < self._TOUCH_BATCH:
+                return None
+            return self._drain_touches()
+
+    def _drain_touches(self) -> dict[str, datetime]:
+        pending, self._pending_touches, self._pending_since = self._pending_touches, {}, None
+        return pending
 
     def heartbeat(self, client: ClientInfo) -> tuple[float, int, int]:
         """``(server time, current round, last closed round)``; :meth:`authenticate` refreshed last-seen."""
@@ -457,31 +439,6 @@ class Coordinator:
                 control = [(n, t, version) for n, t in sc.items()]
         return model, control
 
-    def fetch_encoded(
-        self, client: ClientInfo, held: Mapping[str, int], include_server_control: bool = False
-    ) -> tuple[list[EncodedTensor], list[EncodedTensor]]:
-        """:meth:`fetch`, encoded for the wire (fp16 per the federation) and cut into chunks.
-
-        Each (tier, tensor) is encoded once per version and kept until a newer version replaces
-        it, so concurrent and repeated fetches share the same bytes.
-        """
-        with self._lock:
-            model, control = self.fetch(client, held, include_server_control)
-            return (
-                [self._encode(client.tier, "model", n, t, v) for n, t, v in model],
-                [self._encode(client.tier, "control", n, t, v) for n, t, v in control],
-            )
-
-    def _encode(self, tier: float, kind: str, name: str, tensor: Tensor, version: int) -> EncodedTensor:
-        key = (tier, kind, name)
-        hit = self._encoded.get(key)
-        if hit is not None and hit.version == version:
-            return hit
-        encoded = codec.encode(tensor, fp16=self.config.fp16, name=name)
-        entry = EncodedTensor(name, version, tuple(codec.iter_chunks(name, encoded, version=version)))
-        self._encoded[key] = entry
-        return entry
-
     def download_round(self, requested: int | None) -> int:
         """The round a fetch's bytes count toward: ``requested`` (validated), else the open round, else the last."""
         with self._lock:
@@ -529,15 +486,18 @@ class Coordinator:
                     now[name] = now.get(name, 0) + b
                 self._downloads[key] = (total + nbytes, now)
 
-    def flush_downloads(self) -> None:
-        """Write counted downloads now (the ticker calls it every second; :func:`serve` at shutdown)."""
+    def flush(self) -> None:
+        """Write counted downloads and deferred last-seen times now (the ticker: every second; shutdown)."""
+        with self._touch_guard:
+            touches = self._drain_touches()
         with self._downloads_lock:
-            if not self._downloads:
+            if not self._downloads and not touches:
                 return
         drained: Mapping[tuple[int, str], tuple[int, dict[str, int]]] = {}
         try:
             with self._factory.begin() as s:
                 drained = self._write_downloads(s)
+                _write_touches(s, touches)
         except Exception:
             self._unwrite_downloads(drained)
             raise
@@ -731,7 +691,7 @@ class Coordinator:
     def tick(self, now: datetime | None = None) -> None:
         """Deadlines: close with the quorum, else extend once, else abandon (the next GetTask resamples)."""
         now = now or self.clock()
-        self.flush_downloads()
+        self.flush()
         with self._lock:
             self._refresh_state()
             op = self._open
@@ -823,6 +783,11 @@ def _finite_or_none(value: float | None) -> float | None:
 
 def _finite_dict(values: Mapping[str, float]) -> dict[str, float]:
     return {k: float(v) for k, v in values.items() if math.isfinite(v)}
+
+
+def _write_touches(s: Session, touches: Mapping[str, datetime]) -> None:
+    if touches:
+        s.execute(update(store.Client), [{"id": cid, "last_seen": t} for cid, t in touches.items()])
 
 
 def _reader_for(factory: sessionmaker[Session]) -> Engine:

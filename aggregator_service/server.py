@@ -21,9 +21,10 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from torch import Tensor
 
 from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
-from aggregator_service.coordinator import ClientInfo, Coordinator, Done, EncodedTensor, Train, kv
+from aggregator_service.coordinator import ClientInfo, Coordinator, Done, Train, kv
 from aggregator_service.errors import InvalidArgument, ServiceError, Unauthenticated
 from fedatoms import wire
 from fedatoms.v1 import aggregator_pb2 as pb
@@ -83,8 +84,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.settings = settings
         self.push_limit = settings.push_limit
         self.fp16 = settings.federation.fp16
-        # (tier, kind, name) → (the coordinator's EncodedTensor, its serialized frames); see _frames
-        self._wire_cache: dict[tuple[float, int, str], tuple[EncodedTensor, tuple[tuple[bytes, int], ...]]] = {}
+        # (tier, kind, name) → (the tensor object and version it was built from, its serialized frames)
+        self._wire_cache: dict[tuple[float, int, str], tuple[Tensor, int, tuple[tuple[bytes, int], ...]]] = {}
 
     def _client(self, context: grpc.ServicerContext) -> ClientInfo:
         values = [v for k, v in context.invocation_metadata() if k == "authorization"]
@@ -152,7 +153,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             client = self._client(context)
             held = {v.name: v.version for v in request.held}
             round_ = self.coordinator.download_round(request.round if request.HasField("round") else None)
-            model, control = self.coordinator.fetch_encoded(client, held, request.include_server_control)
+            model, control = self.coordinator.fetch(client, held, request.include_server_control)
         except Exception as exc:
             if _is_abort(exc):
                 raise
@@ -160,10 +161,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         sent: dict[str, int] = {}
         try:
             for kind, tensors in ((pb.TENSOR_KIND_MODEL, model), (pb.TENSOR_KIND_SERVER_CONTROL, control)):
-                for encoded in tensors:  # encoded and cut once per version by the coordinator, shared by fetches
-                    for frame, nbytes in self._frames(client.tier, kind, encoded):
+                for name, tensor, version in tensors:
+                    for frame, nbytes in self._frames(client.tier, kind, name, tensor, version):
                         yield frame
-                        sent[encoded.name] = sent.get(encoded.name, 0) + nbytes
+                        sent[name] = sent.get(name, 0) + nbytes
         finally:
             total = sum(sent.values())
             try:
@@ -171,19 +172,25 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             except Exception:
                 log.exception(kv("record_download_failed", client=client.id, bytes=total))
 
-    def _frames(self, tier: float, kind: int, encoded: EncodedTensor) -> tuple[tuple[bytes, int], ...]:
-        """``encoded``'s chunks as serialized ``TensorChunk`` messages with their payload sizes, built once per version.
+    def _frames(self, tier: float, kind: int, name: str, tensor: Tensor, version: int) -> tuple[tuple[bytes, int], ...]:
+        """The tensor encoded (fp16 per the federation), cut into ≤ 1 MiB ``TensorChunk`` messages and
+        serialized, with their payload sizes: built once per version and shared by every fetch.
 
         FetchModel's serializer passes ``bytes`` through (:func:`_serialize_response`), so concurrent
-        and repeated fetches send the same frames instead of building and serializing ~45 messages
-        of 1 MiB each per fetch. A new version is a new ``EncodedTensor`` object, which misses.
+        and repeated fetches send the same frames instead of encoding and serializing ~45 messages of
+        1 MiB each per fetch. The coordinator hands out the same tensor object until its version
+        changes (or a reload rolls it back), so object and version together say the frames are current.
         """
-        key = (tier, kind, encoded.name)
+        key = (tier, kind, name)
         hit = self._wire_cache.get(key)
-        if hit is not None and hit[0] is encoded:
-            return hit[1]
-        frames = tuple((wire.from_chunk(c, kind).SerializeToString(), len(c.data)) for c in encoded.chunks)
-        self._wire_cache[key] = (encoded, frames)  # a race only builds the same frames twice
+        if hit is not None and hit[0] is tensor and hit[1] == version:
+            return hit[2]
+        encoded = codec.encode(tensor, fp16=self.fp16, name=name)
+        frames = tuple(
+            (wire.from_chunk(c, kind).SerializeToString(), len(c.data))
+            for c in codec.iter_chunks(name, encoded, version=version)
+        )
+        self._wire_cache[key] = (tensor, version, frames)  # a race only builds the same frames twice
         return frames
 
     @_rpc
@@ -403,6 +410,6 @@ def serve(settings: AggregatorSettings) -> int:
     health_servicer.enter_graceful_shutdown()
     ticker.stop()
     server.stop(grace=10).wait()
-    coordinator.flush_downloads()
+    coordinator.flush()
     log.info(kv("stopped"))
     return 0

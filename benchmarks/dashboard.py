@@ -28,8 +28,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
-from sqlalchemy import create_engine, insert
-from sqlalchemy.engine import make_url
+from sqlalchemy import insert
 
 from aggregator_service import store
 
@@ -261,24 +260,6 @@ def bench(name: str, url: str, args: argparse.Namespace) -> list[tuple[str, ...]
     return rows
 
 
-@contextmanager
-def scratch_schema(base: str) -> Iterator[str]:
-    schema = f"bench_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(base)
-    try:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-        yield (
-            make_url(base)
-            .update_query_dict({"options": f"-csearch_path={schema}"})
-            .render_as_string(hide_password=False)
-        )
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        admin.dispose()
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=10_000)
@@ -292,7 +273,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rows += bench("sqlite", f"sqlite:///{Path(tmp) / 'bench.db'}", args)
     if args.postgres_url:
-        with scratch_schema(args.postgres_url) as url:
+        with store.scratch_schema(args.postgres_url) as url:
             rows += bench("postgresql", url, args)
     else:
         print("PostgreSQL skipped: pass --postgres-url or set FEDATOMS_TEST_POSTGRES_URL")

@@ -101,7 +101,7 @@ def run_grpc_simulation(
         if owned is not None:
             owned[0].stop(grace=5).wait()
             owned[2].stop()
-            owned[2].coordinator.flush_downloads()
+            owned[2].coordinator.flush()
     records = records_from_store(database_url, federation_name)
     if not records:
         raise RuntimeError(f"no round closed in {database_url}")

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import socket
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from sqlalchemy import create_engine
-from sqlalchemy.engine import make_url
+
+from aggregator_service import store
 
 PG_ENV = "FEDATOMS_TEST_POSTGRES_URL"
 
@@ -39,20 +37,6 @@ def wait_serving(target: str, timeout: float = 60.0) -> None:
             time.sleep(0.2)
 
 
-@contextmanager
-def postgres_schema(base: str) -> Iterator[str]:
+def postgres_schema(base: str) -> AbstractContextManager[str]:
     """A URL whose connections live in a fresh ``t_<uuid>`` schema, dropped afterwards."""
-    schema = f"t_{uuid.uuid4().hex}"
-    admin = create_engine(base)
-    try:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-        yield (
-            make_url(base)
-            .update_query_dict({"options": f"-csearch_path={schema}"})
-            .render_as_string(hide_password=False)
-        )
-    finally:
-        with admin.begin() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-        admin.dispose()
+    return store.scratch_schema(base)

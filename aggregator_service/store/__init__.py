@@ -21,6 +21,7 @@ from .engine import (
     current_revision,
     downgrade,
     head_revision,
+    scratch_schema,
     session_factory,
     upgrade,
 )
@@ -166,6 +167,7 @@ __all__ = [
     "save_engine_state",
     "save_global_tensors",
     "save_strategy_tensors",
+    "scratch_schema",
     "session_factory",
     "set_federation_state",
     "store_update",

@@ -21,6 +21,9 @@ Migrations are Alembic revisions under ``migrations/`` run programmatically by
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +42,7 @@ __all__ = [
     "current_revision",
     "downgrade",
     "head_revision",
+    "scratch_schema",
     "session_factory",
     "upgrade",
 ]
@@ -99,6 +103,28 @@ def _sqlite_engine(u: URL, busy_timeout_ms: int, begin: str, kwargs: dict[str, A
         conn.exec_driver_sql(f"BEGIN {begin}")
 
     return engine
+
+
+@contextmanager
+def scratch_schema(base_url: str, prefix: str = "t") -> Iterator[str]:
+    """A PostgreSQL URL whose connections live in a fresh ``<prefix>_<uuid>`` schema, dropped afterwards.
+
+    For tests and benchmarks that share one database without seeing each other's tables.
+    """
+    schema = f"{prefix}_{uuid.uuid4().hex}"
+    admin = create_engine(base_url)
+    try:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+        yield (
+            make_url(base_url)
+            .update_query_dict({"options": f"-csearch_path={schema}"})
+            .render_as_string(hide_password=False)
+        )
+    finally:
+        with admin.begin() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+        admin.dispose()
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

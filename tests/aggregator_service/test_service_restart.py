@@ -10,9 +10,18 @@ from pathlib import Path
 
 import grpc
 import torch
-from grpc_helpers import SECRET, fill_keys, free_port, global_tensors, offline_round, register, shards, wait_serving
+from grpc_helpers import (
+    SECRET,
+    fill_keys,
+    free_port,
+    global_tensors,
+    offline_round,
+    register,
+    shards,
+    small_federation,
+    wait_serving,
+)
 
-from aggregator_service.config import FederationConfig
 from aggregator_service.rounds import RoundPlan
 from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
 
@@ -94,16 +103,7 @@ def test_sigkill_mid_round_then_restart_completes_the_round(tmp_path) -> None:
         assert proc.wait(30) == 0, log.read_text()
         channel.close()
 
-    fed_config = FederationConfig(
-        model="digits-cnn",
-        factorization="atoms-lowrank",
-        tiers=[1.0, 0.25],
-        fraction=1.0,
-        min_clients=3,
-        rounds=2,
-        batch_size=32,
-        lr=0.05,
-    )
+    fed_config = small_federation(min_clients=3, rounds=2)  # what TOML above configures
     fill_keys(url, clients)
     cohort = tuple(sorted(c.key for c in clients))
     due = tuple(fed_config.spec.names)

@@ -79,22 +79,22 @@ def test_serialize_response_passes_bytes_through() -> None:
 
 
 def test_fetch_frames_are_built_once_per_version(coordinator) -> None:
-    """Repeated fetches reuse the serialized chunks; a new EncodedTensor (new version) rebuilds them."""
+    """Repeated fetches reuse the serialized chunks; a new version rebuilds them."""
     c, _ = coordinator
     servicer = AggregatorServicer(c, c.settings)
     tier = 1.0
-    name, tensor, version = c.fetch(_client(c), {})[0][0]
-    encoded = c._encode(tier, "model", name, tensor, version)
-    frames = servicer._frames(tier, pb.TENSOR_KIND_MODEL, encoded)
-    assert servicer._frames(tier, pb.TENSOR_KIND_MODEL, encoded) is frames
+    client = _client(c)
+    name, tensor, version = c.fetch(client, {})[0][0]
+    frames = servicer._frames(tier, pb.TENSOR_KIND_MODEL, name, tensor, version)
+    again = c.fetch(client, {})[0][0]  # the coordinator hands out the same tensor until its version changes
+    assert again[1] is tensor and servicer._frames(tier, pb.TENSOR_KIND_MODEL, *again) is frames
     asm = codec.Reassembler()
     for frame, nbytes in frames:
         msg = pb.TensorChunk.FromString(frame)
         assert msg.kind == pb.TENSOR_KIND_MODEL and len(msg.data) == nbytes
         asm.add(wire.to_chunk(msg))
     assert asm.versions() == {name: version}
-    newer = c._encode(tier, "model", name, tensor + 1, version + 1)
-    rebuilt = servicer._frames(tier, pb.TENSOR_KIND_MODEL, newer)
+    rebuilt = servicer._frames(tier, pb.TENSOR_KIND_MODEL, name, tensor + 1, version + 1)
     assert rebuilt is not frames and pb.TensorChunk.FromString(rebuilt[0][0]).version == version + 1
 
 
