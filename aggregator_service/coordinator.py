@@ -445,6 +445,12 @@ class Coordinator:
             current = self._open.plan.round if self._open else self.federation.round
         if requested is None:
             return current
+        if requested > current:  # rare: a round abandoned since the client's task still counts
+            with self._reader.connect() as conn:
+                last = conn.execute(
+                    select(func.max(store.Round.number)).where(store.Round.federation_id == self._fed_row.id)
+                ).scalar()
+            current = max(current, int(last or 0))
         if not 1 <= requested <= current:
             raise InvalidArgument(
                 f"FetchRequest.round {requested} is not a round of this federation yet (current round: {current})"
@@ -474,8 +480,12 @@ class Coordinator:
         """Write the counted downloads in ``s``; returns them, for :meth:`_unwrite_downloads` after a rollback."""
         with self._downloads_lock:
             drained, self._downloads = self._downloads, {}
-        for (number, client_id), (nbytes, tensors) in sorted(drained.items()):
-            store.record_transfer(s, self._fed_row, number, client_id, "down", nbytes, tensors)
+        try:
+            for (number, client_id), (nbytes, tensors) in sorted(drained.items()):
+                store.record_transfer(s, self._fed_row, number, client_id, "down", nbytes, tensors)
+        except BaseException:
+            self._unwrite_downloads(drained)
+            raise
         return drained
 
     def _unwrite_downloads(self, drained: Mapping[tuple[int, str], tuple[int, dict[str, int]]]) -> None:
@@ -504,7 +514,7 @@ class Coordinator:
 
     def _owners(self, tier: float, per_tensor: Mapping[str, int]) -> dict[str, int]:
         """Tier tensors' bytes counted toward the full-rank tensor each belongs to (a factor pair: what it rebuilds)."""
-        owner = {t.name: t.full_name or t.name for t in self.federation.tier_spec(tier).tensors}
+        owner = self.federation.tier_spec(tier).owners
         out: dict[str, int] = {}
         for name, nbytes in per_tensor.items():
             full = owner.get(name, name)
@@ -695,6 +705,9 @@ class Coordinator:
         with self._lock:
             self._refresh_state()
             op = self._open
+            if op is not None and self._state == "running" and op.reported.issuperset(op.plan.cohort):
+                self._close_logged("cohort_complete")  # an earlier close attempt failed: try again
+                return
             if op is None or self._state != "running" or now < op.deadline:
                 return
             r, needed = op.plan.round, self._quorum(len(op.plan.cohort))
@@ -756,24 +769,31 @@ class Coordinator:
             raise InvalidArgument(f"global_loss must be a finite number ≥ 0, got {global_loss}")
         if num_samples < 1:
             raise InvalidArgument(f"num_samples must be ≥ 1, got {num_samples}")
-        with self._factory.begin() as s:
-            rnd = store.get_round(s, self._fed_row, round_)
-            if rnd is None or rnd.state != "closed":
-                raise FailedPrecondition(f"round {round_} has not closed: evaluate a model version you fetched")
-            existing = s.get(store.Evaluation, (self._fed_row.id, round_, client.id))
-            if existing is not None:
-                return False
-            self._write_downloads(s)  # a failed commit loses these download counts, nothing else
-            store.record_evaluation(
-                s,
-                self._fed_row,
-                round_,
-                client.id,
-                global_accuracy=global_accuracy,
-                global_loss=global_loss,
-                personalized_accuracy=personalized_accuracy,
-                num_samples=num_samples,
-            )
+        drained: Mapping[tuple[int, str], tuple[int, dict[str, int]]] = {}
+        try:
+            with self._factory.begin() as s:
+                rnd = store.get_round(s, self._fed_row, round_)
+                if rnd is None or rnd.state != "closed":
+                    raise FailedPrecondition(f"round {round_} has not closed: evaluate a model version you fetched")
+                if s.get(store.Evaluation, (self._fed_row.id, round_, client.id)) is not None:
+                    return False
+                drained = self._write_downloads(s)
+                store.record_evaluation(
+                    s,
+                    self._fed_row,
+                    round_,
+                    client.id,
+                    global_accuracy=global_accuracy,
+                    global_loss=global_loss,
+                    personalized_accuracy=personalized_accuracy,
+                    num_samples=num_samples,
+                )
+        except IntegrityError:  # the same report, racing itself: the first stands
+            self._unwrite_downloads(drained)
+            return False
+        except BaseException:
+            self._unwrite_downloads(drained)
+            raise
         return True
 
 

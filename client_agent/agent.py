@@ -92,10 +92,10 @@ class RoundWatch:
             self._stop.wait(self.interval)
 
     def wait(self, ready: Callable[[pb.HeartbeatReply], bool], timeout: float) -> pb.HeartbeatReply:
-        """The latest reply once ``ready`` holds for it, or after ``timeout`` seconds (fresh from the server)."""
+        """The latest reply once ``ready`` holds for it, else after ``timeout`` seconds (asked afresh if none yet)."""
         with self._changed:
-            if self._changed.wait_for(lambda: self._latest is not None and ready(self._latest), timeout):
-                assert self._latest is not None
+            self._changed.wait_for(lambda: self._latest is not None and ready(self._latest), timeout)
+            if self._latest is not None:
                 return self._latest
         return self.client.heartbeat()
 
@@ -169,7 +169,6 @@ class Agent:
         self.spec: ModelSpec | None = None
         self.state: ClientState | None = None
         self.done_reason: str | None = None
-        self._save_lock = threading.Lock()
 
     # ------------------------------------------------------------------ identity
 
@@ -204,8 +203,7 @@ class Agent:
 
     def _save(self) -> None:
         assert self.state is not None
-        with self._save_lock:
-            self.state.save(self.state_dir, fsync=self.durable)
+        self.state.save(self.state_dir, fsync=self.durable)
 
     # ------------------------------------------------------------------ the loop
 
@@ -221,13 +219,13 @@ class Agent:
         if s.evaluate_round is not None:
             r = s.evaluate_round
             if self.round_watch is not None:
-                beat = self.round_watch.wait(lambda b: b.last_closed_round >= r or b.current_round > r, timeout=1.0)
+                beat = self.round_watch.wait(lambda b: b.last_closed_round >= r or b.current_round != r, timeout=1.0)
             else:
                 beat = self.client.heartbeat()
             if beat.last_closed_round >= s.evaluate_round:
                 self._evaluate(beat.last_closed_round)
                 return 0.0
-            if beat.current_round > s.evaluate_round:  # a later round opened first: ours was abandoned
+            if beat.current_round != s.evaluate_round:  # neither open nor closed: it was abandoned
                 log.warning("event=round_abandoned round=%d current=%d", s.evaluate_round, beat.current_round)
                 s.evaluate_round = None
                 self._save()
@@ -259,7 +257,9 @@ class Agent:
         with self.compute_lock:
             push = run_task(s, spec, task, self.train_data, personal_atoms=train.personal_atoms, progress=self.progress)
         bad = [k for k, v in push.metrics.items() if not math.isfinite(v)]
-        bad += [n for n, t in push.tensors.items() if not bool(torch.isfinite(t).all())]
+        bad += [
+            n for n, t in {**push.tensors, **(push.control_delta or {})}.items() if not bool(torch.isfinite(t).all())
+        ]
         if bad:
             raise TrainingDiverged(
                 f"round {train.round}: local training diverged ({', '.join(bad[:4])} not finite) with "
@@ -288,10 +288,18 @@ class Agent:
                 p.round, p.update_id, p.num_samples, p.metrics, p.tensors, p.control_delta, fp16=p.fp16
             )
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # type: ignore[attr-defined]
+            code = exc.code()  # type: ignore[attr-defined]
+            if code not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):
                 raise
-            log.warning("event=push_refused round=%d detail=%s", p.round, json.dumps(exc.details()))  # type: ignore[attr-defined]
+            # refused for good (the round is over, or the update is malformed): re-pushing it after a
+            # restart would only be refused again, so drop it. A round that closed meanwhile (a lost
+            # acknowledgement, then the close) is still evaluated; an abandoned one is skipped.
+            level = logging.WARNING if code == grpc.StatusCode.FAILED_PRECONDITION else logging.ERROR
+            log.log(
+                level, "event=push_refused round=%d code=%s detail=%s", p.round, code.name, json.dumps(exc.details())
+            )  # type: ignore[attr-defined]
             s.pending = None
+            s.evaluate_round = p.round if self.test_data is not None else None
             self._save()
             return
         log.info("event=pushed round=%d duplicate=%s message=%s", p.round, reply.duplicate, json.dumps(reply.message))

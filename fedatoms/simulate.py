@@ -241,7 +241,7 @@ def _fetch(
 ) -> tuple[ModelSpec, dict[str, str]]:
     """FetchModel, in process: the tensors newer than the client holds go through the codec into its state."""
     tier_spec = federation.tier_spec(vc.state.tier)
-    owner = {t.name: t.full_name or t.name for t in tier_spec.tensors}
+    owner = tier_spec.owners
     fetched = federation.fetch(vc.state.tier, vc.state.versions)
     received = _send({n: t for n, (t, _) in fetched.items()}, fp16, down, owner)
     vc.state.receive({n: (received[n], v) for n, (_, v) in fetched.items()})

@@ -205,6 +205,11 @@ class ModelSpec:
     def names(self) -> list[str]:
         return [t.name for t in self.tensors]
 
+    @property
+    def owners(self) -> dict[str, str]:
+        """Tensor name → the full-rank tensor it belongs to (a factor pair: what it rebuilds); bytes count there."""
+        return {t.name: t.full_name or t.name for t in self.tensors}
+
     def tensor(self, name: str) -> TensorSpec:
         for t in self.tensors:
             if t.name == name:

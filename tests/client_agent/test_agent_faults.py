@@ -297,11 +297,14 @@ def test_grpc_errors_other_than_transient_are_not_retried(tmp_path: Path) -> Non
     retries: list[float] = []
     client = AggregatorClient(f"127.0.0.1:{port}", sleep=retries.append)
     try:
-        client.register(CapabilityProfile(num_samples=10), SECRET)
+        _, spec = client.register(CapabilityProfile(num_samples=10), SECRET)
         task = client.get_task()
+        tensors = {n: torch.zeros(spec.tensor(n).shape) for n in task.train.due_tensors}
+        tensors["head.bias"] = torch.full((10,), float("nan"))  # every due tensor, one of them not finite
         with pytest.raises(grpc.RpcError) as info:
-            client.push(task.train.round, "u1", 10, {}, {"head.bias": torch.full((10,), float("nan"))})
+            client.push(task.train.round, "u1", 10, {}, tensors)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "head.bias" in info.value.details() and "NaN" in info.value.details()
         assert retries == []
     finally:
         client.close()
@@ -350,11 +353,10 @@ def test_agent_waiting_on_an_abandoned_round_moves_on_to_the_next(tmp_path: Path
         deadline = coordinator._open.deadline
         coordinator.tick(deadline + timedelta(seconds=1))  # no quorum: extended once
         coordinator.tick(deadline + timedelta(seconds=settings.deadline_seconds + 2))  # still none: abandoned
-        assert coordinator.open_round is None
-        assert silent.get_task().train.round == 2  # round 2 opens
-        agent.step()  # sees round 2 open while round 1 never closed
+        assert coordinator.open_round is None  # and nobody has asked for round 2 yet
+        agent.step()  # round 1 is neither open nor closed: it was abandoned
         assert agent.state.evaluate_round is None
-        agent.step()  # polls, trains and pushes round 2
+        agent.step()  # its own GetTask opens round 2; it trains and pushes
         assert agent.state.last_round == 2
     finally:
         channel.close()

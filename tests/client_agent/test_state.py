@@ -1,0 +1,76 @@
+"""A client's state survives a save and a load exactly, pending update included; a save is atomic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from client_agent.state import STATE_FILE, ClientState, PendingUpdate
+
+
+def test_state_round_trips_with_a_pending_update(tmp_path: Path) -> None:
+    state = ClientState(
+        "c1",
+        0.25,
+        global_tensors={"a": torch.arange(6.0).reshape(2, 3)},
+        versions={"a": 4},
+        unsynced={"b": torch.ones(2)},
+        local={"bn.running_mean": torch.zeros(3)},
+        personal_atoms={"conv1.atoms": torch.randn(9, 3, 3)},
+        control={"a": torch.full((2, 3), 0.5)},
+        rounds_joined=3,
+        evaluate_round=None,
+        last_round=4,
+    )
+    state.pending = PendingUpdate(
+        5, "u-5", 40, {"train_loss": 0.7}, {"a": torch.ones(2, 3)}, {"a": torch.zeros(2, 3)}, True
+    )
+    state.save(tmp_path)
+    back = ClientState.load(tmp_path)
+    assert back is not None
+    assert (back.client_id, back.tier, back.versions, back.rounds_joined, back.last_round) == (
+        "c1",
+        0.25,
+        {"a": 4},
+        3,
+        4,
+    )
+    for mine, theirs in [
+        (state.global_tensors, back.global_tensors),
+        (state.unsynced, back.unsynced),
+        (state.local, back.local),
+        (state.personal_atoms, back.personal_atoms),
+        (state.control, back.control),
+        (state.pending.tensors, back.pending.tensors if back.pending else None),
+    ]:
+        assert theirs is not None and mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+    p = back.pending
+    assert p is not None and (p.round, p.update_id, p.num_samples, p.metrics, p.fp16) == (
+        5,
+        "u-5",
+        40,
+        {"train_loss": 0.7},
+        True,
+    )
+    assert p.control_delta is not None and torch.equal(p.control_delta["a"], torch.zeros(2, 3))
+
+
+def test_no_state_yet_and_a_foreign_file_is_refused(tmp_path: Path) -> None:
+    assert ClientState.load(tmp_path) is None
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(tmp_path / STATE_FILE))
+    with pytest.raises(ValueError, match="not a fedatoms client state"):
+        ClientState.load(tmp_path)
+
+
+def test_a_save_replaces_the_file_whole(tmp_path: Path) -> None:
+    """Written beside and renamed over: no temporary file stays, and a reload sees only the new state."""
+    ClientState("c1", 1.0, personal_atoms={"x": torch.zeros(2)}).save(tmp_path)
+    ClientState("c1", 1.0).save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [STATE_FILE]
+    back = ClientState.load(tmp_path)
+    assert back is not None and back.personal_atoms is None
