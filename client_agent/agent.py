@@ -197,8 +197,11 @@ class Agent:
             raise ValueError(
                 f"{self.state_dir}: state belongs to client {state.client_id}, credentials to {creds.client_id}"
             )
-        self.state = state or ClientState(creds.client_id, creds.tier)
-        self._save()
+        if state is None:
+            state = ClientState(creds.client_id, creds.tier)
+            self.state = state
+            self._save()
+        self.state = state
         return creds
 
     def _save(self) -> None:

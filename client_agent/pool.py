@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
-import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,16 +237,15 @@ def run_grpc_pool(
         WorkerJob(target, population, tuple(range(w, n, workers)), str(state_root), tls_ca, 1, eval_poll_seconds)
         for w in range(workers)
     ]
-    ctx = mp.get_context("spawn")  # no forked gRPC or torch state
     results: dict[str, int] = {}
-    with ctx.Pool(workers) as pool:
-        pending = [pool.apply_async(run_worker, (job,)) for job in jobs]
+    # spawn: no forked gRPC or torch state; a worker that dies (OOM, kill) fails the run (BrokenProcessPool)
+    # instead of leaving it waiting for a result that never comes
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        pending = {pool.submit(run_worker, job) for job in jobs}
         while pending:
-            for p in list(pending):
-                if p.ready():
-                    results.update(p.get())  # re-raises a worker's exception here
-                    pending.remove(p)
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            for future in done:
+                results.update(future.result())  # re-raises a worker's exception here
             if poll is not None:
                 poll()
-            time.sleep(0.5)
     return results

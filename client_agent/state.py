@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 __all__ = ["STATE_FILE", "ClientState", "PendingUpdate"]
@@ -133,15 +133,15 @@ class ClientState:
 
         with safe_open(str(path), framework="pt") as f:
             raw = (f.metadata() or {}).get("fedatoms")
-        if raw is None:
-            raise ValueError(f"{path} is not a fedatoms client state (no 'fedatoms' metadata)")
-        meta = json.loads(raw)
-        if meta.get("format") != _FORMAT:
-            raise ValueError(f"{path}: unsupported state format {meta.get('format')!r}")
-        groups: dict[str, dict[str, Tensor]] = {g: {} for g in meta["groups"]}
-        for key, tensor in load_file(str(path)).items():
-            group, _, name = key.partition("/")
-            groups.setdefault(group, {})[name] = tensor
+            if raw is None:
+                raise ValueError(f"{path} is not a fedatoms client state (no 'fedatoms' metadata)")
+            meta = json.loads(raw)
+            if meta.get("format") != _FORMAT:
+                raise ValueError(f"{path}: unsupported state format {meta.get('format')!r}")
+            groups: dict[str, dict[str, Tensor]] = {g: {} for g in meta["groups"]}
+            for key in f.keys():
+                group, _, name = key.partition("/")
+                groups.setdefault(group, {})[name] = f.get_tensor(key)
         state = cls(
             client_id=meta["client_id"],
             tier=float(meta["tier"]),

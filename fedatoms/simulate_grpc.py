@@ -101,7 +101,9 @@ def run_grpc_simulation(
         if owned is not None:
             owned[0].stop(grace=5).wait()
             owned[2].stop()
-            owned[2].coordinator.flush()
+            owned[2].join(timeout=10)
+    if owned is not None:
+        owned[2].coordinator.flush()  # the last download counts, before the record is read
     records = records_from_store(database_url, federation_name)
     if not records:
         raise RuntimeError(f"no round closed in {database_url}")
@@ -128,7 +130,7 @@ def records_from_store(url: str, federation_name: str = "default", after: int = 
     """Closed rounds after round ``after`` as the simulator's per-round records (docs/simulation.md)."""
     from fedatoms.simulate import mean_or_none
 
-    engine = store.create_engine_for(url)
+    engine = store.create_engine_for(url, sqlite_begin="DEFERRED")  # reads: never wait for the aggregator
     records: list[dict[str, Any]] = []
     try:
         with Session(engine) as s:
