@@ -37,6 +37,7 @@ from aggregator_service import store
 from aggregator_service.aggregation import ClientUpdate
 from aggregator_service.config import AggregatorSettings
 from aggregator_service.errors import FailedPrecondition, InvalidArgument, Unauthenticated
+from aggregator_service.group_commit import GroupCommit
 from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome, RoundPlan, client_key, client_number, derive_seed
 from aggregator_service.validation import check_header, check_tensors
@@ -118,6 +119,9 @@ class _OpenRound:
     reported: set[str] = field(default_factory=set)  # engine keys
 
 
+_TransferKey = tuple[int, str, str]  # (round, client id, direction)
+
+
 class Coordinator:
     """Rounds of one federation, durable in the store; thread-safe."""
 
@@ -134,15 +138,17 @@ class Coordinator:
         self.clock = clock
         self._factory = factory
         self._reader = _reader_for(factory)
+        self._writes = GroupCommit(factory)  # pushes and evaluation reports: one commit per batch
         self._iterations = enrollment_iterations
         self._lock = threading.RLock()
         self._accepted_secrets: set[str] = set()
         self._touched: dict[str, datetime] = {}
         self._touch_every = timedelta(seconds=min(5.0, settings.heartbeat_timeout_seconds / 4))
         self._eval_data: Any = None
-        # downloads counted since the last write: (round, client id) → (bytes, bytes per full-rank tensor)
-        self._downloads: dict[tuple[int, str], tuple[int, dict[str, int]]] = {}
-        self._downloads_lock = threading.Lock()
+        # bytes moved since the last write: (round, client id, direction) → (bytes, bytes per full-rank tensor)
+        self._transfers: dict[_TransferKey, tuple[int, dict[str, int]]] = {}
+        self._transfers_lock = threading.Lock()
+        self._closed_rounds: set[int] = set()  # rounds known closed: a closed round never reopens
         self._touch_guard = threading.Lock()
         self._pending_touches: dict[str, datetime] = {}  # client id → last seen, not yet written
         self._pending_since: datetime | None = None
@@ -460,56 +466,65 @@ class Coordinator:
     def record_download(
         self, client: ClientInfo, nbytes: int, per_tensor: Mapping[str, int] | None = None, round_: int | None = None
     ) -> None:
-        """Count bytes sent to ``client`` toward ``round_`` (see :meth:`download_round`), per full-rank tensor too.
+        """Count bytes sent to ``client`` toward ``round_`` (see :meth:`download_round`), per full-rank tensor too."""
+        self._count_transfer(
+            client, "down", self.download_round(None) if round_ is None else round_, nbytes, per_tensor
+        )
 
-        Counted in memory and written with the next transaction the service commits anyway (a push,
-        an evaluation, a round close, the deadline ticker's second, shutdown): a fetch costs no commit
-        of its own. A SIGKILL loses at most about a second of download counts, never an update.
+    def _count_transfer(
+        self, client: ClientInfo, direction: str, round_: int, nbytes: int, per_tensor: Mapping[str, int] | None
+    ) -> None:
+        """Count moved bytes in memory; :meth:`_write_transfers` writes them with a round's close or the
+        ticker's next second (:meth:`flush`), a few statements for all of them.
+
+        A fetch or a push so costs no statements of its own for bandwidth. A SIGKILL loses at
+        most about a second of byte counts, never an update (updates are committed before the ack).
         """
-        number = self.download_round(None) if round_ is None else round_
-        if nbytes <= 0 or number < 1:
+        if nbytes <= 0 or round_ < 1:
             return
         per = self._owners(client.tier, per_tensor or {})
-        with self._downloads_lock:
-            total, tensors = self._downloads.get((number, client.id), (0, {}))
+        key = (round_, client.id, direction)
+        with self._transfers_lock:
+            total, tensors = self._transfers.get(key, (0, {}))
             for name, b in per.items():
                 tensors[name] = tensors.get(name, 0) + b
-            self._downloads[(number, client.id)] = (total + nbytes, tensors)
+            self._transfers[key] = (total + nbytes, tensors)
 
-    def _write_downloads(self, s: Session) -> dict[tuple[int, str], tuple[int, dict[str, int]]]:
-        """Write the counted downloads in ``s``; returns them, for :meth:`_unwrite_downloads` after a rollback."""
-        with self._downloads_lock:
-            drained, self._downloads = self._downloads, {}
+    def _write_transfers(self, s: Session) -> dict[_TransferKey, tuple[int, dict[str, int]]]:
+        """Write the counted transfers in ``s``; returns them, for :meth:`_unwrite_transfers` after a rollback."""
+        with self._transfers_lock:
+            drained, self._transfers = self._transfers, {}
         try:
-            for (number, client_id), (nbytes, tensors) in sorted(drained.items()):
-                store.record_transfer(s, self._fed_row, number, client_id, "down", nbytes, tensors)
+            store.record_transfers(
+                s, self._fed_row, ((r, cid, d, n, per) for (r, cid, d), (n, per) in sorted(drained.items()))
+            )
         except BaseException:
-            self._unwrite_downloads(drained)
+            self._unwrite_transfers(drained)
             raise
         return drained
 
-    def _unwrite_downloads(self, drained: Mapping[tuple[int, str], tuple[int, dict[str, int]]]) -> None:
-        with self._downloads_lock:
+    def _unwrite_transfers(self, drained: Mapping[_TransferKey, tuple[int, dict[str, int]]]) -> None:
+        with self._transfers_lock:
             for key, (nbytes, tensors) in drained.items():
-                total, now = self._downloads.get(key, (0, {}))
+                total, now = self._transfers.get(key, (0, {}))
                 for name, b in tensors.items():
                     now[name] = now.get(name, 0) + b
-                self._downloads[key] = (total + nbytes, now)
+                self._transfers[key] = (total + nbytes, now)
 
     def flush(self) -> None:
-        """Write counted downloads and deferred last-seen times now (the ticker: every second; shutdown)."""
+        """Write counted transfers and deferred last-seen times now (the ticker: every second; shutdown)."""
         with self._touch_guard:
             touches = self._drain_touches()
-        with self._downloads_lock:
-            if not self._downloads and not touches:
+        with self._transfers_lock:
+            if not self._transfers and not touches:
                 return
-        drained: Mapping[tuple[int, str], tuple[int, dict[str, int]]] = {}
+        drained: Mapping[_TransferKey, tuple[int, dict[str, int]]] = {}
         try:
             with self._factory.begin() as s:
-                drained = self._write_downloads(s)
+                drained = self._write_transfers(s)
                 _write_touches(s, touches)
         except Exception:
-            self._unwrite_downloads(drained)
+            self._unwrite_transfers(drained)
             raise
 
     def _owners(self, tier: float, per_tensor: Mapping[str, int]) -> dict[str, int]:
@@ -554,31 +569,30 @@ class Coordinator:
                 tensor_bytes = {}
                 for n, a in [*model.items(), *(deltas or {}).items()]:
                     tensor_bytes[n] = tensor_bytes.get(n, 0) + a.nbytes
-            drained: Mapping[tuple[int, str], tuple[int, dict[str, int]]] = {}
-            try:
-                with self._factory.begin() as s:
-                    drained = self._write_downloads(s)
-                    _, duplicate = store.store_update(
-                        s, self._fed_row, round_, client.id, update_id, int(num_samples), clean_metrics, model, deltas
-                    )
-                    if not duplicate:
-                        per_tensor = self._owners(client.tier, tensor_bytes)
-                        store.record_transfer(s, self._fed_row, round_, client.id, "up", size, per_tensor)
-            except store.UpdateConflict as exc:
-                self._unwrite_downloads(drained)
-                raise FailedPrecondition(f"{exc}; a retry must reuse the original update_id") from exc
-            except (store.RoundStateError, store.NotInCohort, store.NotFound) as exc:
-                self._unwrite_downloads(drained)
-                raise FailedPrecondition(f"{exc}: poll GetTask for the current task") from exc
-            except BaseException:
-                self._unwrite_downloads(drained)
-                raise
-            op.reported.add(client.key)
-            log.info(
-                kv("update_stored", round=round_, client=client.id, duplicate=duplicate, tensors=len(model), bytes=size)
-            )
-            if op.reported.issuperset(op.plan.cohort):
-                self._close_logged("cohort_complete")
+
+        def write(s: Session) -> bool:
+            return store.store_update(
+                s, self._fed_row, round_, client.id, update_id, int(num_samples), clean_metrics, model, deltas
+            )[1]
+
+        # written outside the lock, so fetches and polls never wait on an fsync; the store re-checks
+        # (in the transaction) that the round is still open, so a close in between refuses the update
+        try:
+            duplicate = self._writes.run(write)
+        except store.UpdateConflict as exc:
+            raise FailedPrecondition(f"{exc}; a retry must reuse the original update_id") from exc
+        except (store.RoundStateError, store.NotInCohort, store.NotFound) as exc:
+            raise FailedPrecondition(f"{exc}: poll GetTask for the current task") from exc
+        if not duplicate:
+            self._count_transfer(client, "up", round_, size, tensor_bytes)
+        log.info(
+            kv("update_stored", round=round_, client=client.id, duplicate=duplicate, tensors=len(model), bytes=size)
+        )
+        with self._lock:
+            if self._open is op:  # else the round closed (with this update: it committed first) or was abandoned
+                op.reported.add(client.key)
+                if op.reported.issuperset(op.plan.cohort):
+                    self._close_logged("cohort_complete")
         note = "duplicate of an update already stored" if duplicate else f"stored {len(model)} tensors, {size} bytes"
         return PushResult(True, duplicate, round_, note)
 
@@ -595,11 +609,11 @@ class Coordinator:
         op = self._open
         assert op is not None
         fed, plan = self.federation, op.plan
-        drained: Mapping[tuple[int, str], tuple[int, dict[str, int]]] = {}
+        drained: Mapping[_TransferKey, tuple[int, dict[str, int]]] = {}
         try:
             with self._factory.begin() as s:
                 store.lock_round(s, self._fed_row, plan.round)
-                drained = self._write_downloads(s)  # the round's metrics sum its transfers
+                drained = self._write_transfers(s)  # the round's metrics sum its transfers
                 members = {
                     cid: (client_key(number), float(tier))
                     for cid, number, tier in s.execute(
@@ -648,7 +662,7 @@ class Coordinator:
                     next_round=None if done else plan.round + 1,
                 )
         except Exception:
-            self._unwrite_downloads(drained)
+            self._unwrite_transfers(drained)
             self._load()  # the transaction rolled back: the in-memory engine must forget the fold
             raise
         self._open = None
@@ -769,32 +783,28 @@ class Coordinator:
             raise InvalidArgument(f"global_loss must be a finite number ≥ 0, got {global_loss}")
         if num_samples < 1:
             raise InvalidArgument(f"num_samples must be ≥ 1, got {num_samples}")
-        drained: Mapping[tuple[int, str], tuple[int, dict[str, int]]] = {}
-        try:
-            with self._factory.begin() as s:
-                rnd = store.get_round(s, self._fed_row, round_)
-                if rnd is None or rnd.state != "closed":
-                    raise FailedPrecondition(f"round {round_} has not closed: evaluate a model version you fetched")
-                if s.get(store.Evaluation, (self._fed_row.id, round_, client.id)) is not None:
-                    return False
-                drained = self._write_downloads(s)
-                store.record_evaluation(
-                    s,
-                    self._fed_row,
-                    round_,
-                    client.id,
-                    global_accuracy=global_accuracy,
-                    global_loss=global_loss,
-                    personalized_accuracy=personalized_accuracy,
-                    num_samples=num_samples,
-                )
-        except IntegrityError:  # the same report, racing itself: the first stands
-            self._unwrite_downloads(drained)
-            return False
-        except BaseException:
-            self._unwrite_downloads(drained)
-            raise
-        return True
+        if round_ not in self._closed_rounds:
+            with self._reader.connect() as conn:
+                state = conn.execute(
+                    select(store.Round.state).where(
+                        store.Round.federation_id == self._fed_row.id, store.Round.number == round_
+                    )
+                ).scalar()
+            if state != "closed":
+                raise FailedPrecondition(f"round {round_} has not closed: evaluate a model version you fetched")
+            self._closed_rounds.add(round_)
+        return self._writes.run(
+            lambda s: store.record_evaluation(
+                s,
+                self._fed_row,
+                round_,
+                client.id,
+                global_accuracy=global_accuracy,
+                global_loss=global_loss,
+                personalized_accuracy=personalized_accuracy,
+                num_samples=num_samples,
+            )
+        )
 
 
 def _finite_or_none(value: float | None) -> float | None:

@@ -163,12 +163,18 @@ class Agent:
         self.eval_poll_seconds = eval_poll_seconds
         # agents sharing a process take turns on the CPU, while their network waits overlap
         self.compute_lock = compute_lock or threading.Lock()
-        self.durable = durable  # fsync every state save (a simulation's virtual clients skip it)
+        # True: fsync every save, and save after every step. False (a simulation's virtual clients): no
+        # fsync, and no save that only spares a repeat after a crash (a re-push is acknowledged as a
+        # duplicate, a re-report is ignored); the update and personal state are still saved after training
+        self.durable = durable
         self.round_watch = round_watch  # shared by the agents of one process: one heartbeat stream, not one each
         self.credentials: Credentials | None = None
         self.spec: ModelSpec | None = None
         self.state: ClientState | None = None
         self.done_reason: str | None = None
+        # the agent holds the global model as of this round's close, or later (in memory: a restart fetches)
+        self._model_round: int | None = None
+        self._unsaved = False  # an optional save was skipped (see :meth:`_save`)
 
     # ------------------------------------------------------------------ identity
 
@@ -204,9 +210,14 @@ class Agent:
         self.state = state
         return creds
 
-    def _save(self) -> None:
+    def _save(self, optional: bool = False) -> None:
+        """Write the state; an ``optional`` save (one that only spares a repeat) waits when not durable."""
         assert self.state is not None
+        if optional and not self.durable:
+            self._unsaved = True
+            return
         self.state.save(self.state_dir, fsync=self.durable)
+        self._unsaved = False
 
     # ------------------------------------------------------------------ the loop
 
@@ -240,6 +251,8 @@ class Agent:
             self._train(task.train)
             return 0.0
         if kind == "done":
+            if self._unsaved:
+                self._save()
             self.done_reason = task.done.reason
             log.info("event=done reason=%s final_round=%d", json.dumps(task.done.reason), task.done.final_round)
             return None
@@ -251,11 +264,16 @@ class Agent:
         assert s is not None and spec is not None
         task = task_from_proto(train)
         scaffold = bool(task.strategy.get("scaffold"))
-        fetched = self.client.fetch(spec, s.versions, round_=train.round, include_server_control=scaffold)
-        s.receive(fetched.model)
-        if scaffold:
-            task = replace(task, server_control=fetched.control)
-        log.info("event=train round=%d fetched_bytes=%d due=%d", train.round, fetched.nbytes, len(task.due))
+        fetched_bytes = 0
+        # round r trains the model round r−1 closed with: the evaluation fetch of r−1 already brought it
+        # (no round closes between r−1's close and r's, and r cannot close before this client pushes)
+        if scaffold or self._model_round is None or self._model_round < train.round - 1:
+            fetched = self.client.fetch(spec, s.versions, round_=train.round, include_server_control=scaffold)
+            s.receive(fetched.model)
+            self._model_round, fetched_bytes = train.round - 1, fetched.nbytes
+            if scaffold:
+                task = replace(task, server_control=fetched.control)
+        log.info("event=train round=%d fetched_bytes=%d due=%d", train.round, fetched_bytes, len(task.due))
         started = time.perf_counter()
         with self.compute_lock:
             push = run_task(s, spec, task, self.train_data, personal_atoms=train.personal_atoms, progress=self.progress)
@@ -308,7 +326,7 @@ class Agent:
         log.info("event=pushed round=%d duplicate=%s message=%s", p.round, reply.duplicate, json.dumps(reply.message))
         s.pending = None
         s.evaluate_round = p.round if self.test_data is not None else None
-        self._save()
+        self._save(optional=True)
 
     def _evaluate(self, closed: int) -> None:
         """Fetch the model round ``closed`` produced and report how it does on the local test split."""
@@ -316,6 +334,7 @@ class Agent:
         assert s is not None and spec is not None and self.test_data is not None
         fetched = self.client.fetch(spec, s.versions, round_=closed)
         s.receive(fetched.model)
+        self._model_round = closed
         with self.compute_lock:
             ev = evaluate_client(s, spec, self.test_data)
         try:
@@ -331,7 +350,7 @@ class Agent:
             "-" if ev.personalized_accuracy is None else f"{ev.personalized_accuracy:.4f}",
         )
         s.evaluate_round = None
-        self._save()
+        self._save(optional=True)
 
     # ------------------------------------------------------------------ one agent per process
 

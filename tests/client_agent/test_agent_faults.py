@@ -214,6 +214,7 @@ def test_push_cut_mid_stream_is_retried_with_its_id_and_counted_once(tmp_path: P
         other.close()
         proxy.close()
         server.stop(grace=None)
+        coordinator.flush()  # byte counts are written about once a second, and at shutdown
     assert _count(url, store.Update, client_id=reply.client_id) == 1
     payload = sum(t.numel() * t.element_size() for t in push.tensors.values())
     engine = store.create_engine_for(url)

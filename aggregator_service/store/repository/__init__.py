@@ -24,7 +24,14 @@ acknowledged update is never deleted unaggregated. On SQLite every transaction s
 """
 
 from ._common import FederationExists, NotFound, NotInCohort, RoundStateError, StoreError, UpdateConflict
-from .closing import ROUND_METRIC_FIELDS, TENSOR_METRIC_FIELDS, close_round, record_transfer, round_transfers
+from .closing import (
+    ROUND_METRIC_FIELDS,
+    TENSOR_METRIC_FIELDS,
+    close_round,
+    record_transfer,
+    record_transfers,
+    round_transfers,
+)
 from .enrollment import (
     ENROLLMENT_PBKDF2_ITERATIONS,
     authenticate,
@@ -112,6 +119,7 @@ __all__ = [
     "open_round",
     "record_evaluation",
     "record_transfer",
+    "record_transfers",
     "register_client",
     "reported_clients",
     "revoke_client",

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
 from ..models import TRANSFER_DIRECTIONS, Client, Federation, Round, RoundMetrics, TensorMetric, Transfer
@@ -14,7 +14,14 @@ from ._common import _attached, _count, _finite, _json, _now, _upsert
 from .rounds import _open, delete_round_updates, reported_clients
 from .tensors import SERVER_CONTROL, _set_intervals, save_global_tensors, save_strategy_tensors, tensor_versions
 
-__all__ = ["ROUND_METRIC_FIELDS", "TENSOR_METRIC_FIELDS", "close_round", "record_transfer", "round_transfers"]
+__all__ = [
+    "ROUND_METRIC_FIELDS",
+    "TENSOR_METRIC_FIELDS",
+    "close_round",
+    "record_transfer",
+    "record_transfers",
+    "round_transfers",
+]
 
 ROUND_METRIC_FIELDS = frozenset(
     {
@@ -56,20 +63,60 @@ def record_transfer(
     PushUpdate), or pass the round's totals to :func:`close_round`. ``per_tensor`` (full-rank
     tensor name → bytes) is added to the round's ``tensor_metrics`` rows the same way.
     """
-    if direction not in TRANSFER_DIRECTIONS:
-        raise ValueError(f"direction must be 'down' or 'up', got {direction!r}")
-    nbytes = _count(nbytes, "bytes")
-    key = "bytes_down" if direction == "down" else "bytes_up"
-    if per_tensor:
+    record_transfers(session, fed, [(round, client_id, direction, nbytes, per_tensor or {})])
+
+
+def record_transfers(
+    session: Session, fed: Federation, transfers: Iterable[tuple[int, str, str, int, Mapping[str, int]]]
+) -> None:
+    """:func:`record_transfer` for many ``(round, client id, direction, bytes, per_tensor)`` at once.
+
+    Three statements in all, each run with many parameter sets, however many transfers: the
+    service counts bytes in memory and writes them here about once a second.
+    """
+    moves: list[dict[str, Any]] = []
+    per_tensor_totals: dict[tuple[int, str, str], int] = {}
+    per_client: dict[tuple[str, str], int] = {}
+    for round, client_id, direction, nbytes, per_tensor in transfers:
+        if direction not in TRANSFER_DIRECTIONS:
+            raise ValueError(f"direction must be 'down' or 'up', got {direction!r}")
+        nbytes = _count(nbytes, "bytes")
+        for n, b in per_tensor.items():
+            key = (round, n, direction)
+            per_tensor_totals[key] = per_tensor_totals.get(key, 0) + _count(b, f"bytes of {n!r}")
+        moves.append(
+            {"federation_id": fed.id, "round": round, "client_id": client_id, "direction": direction, "bytes": nbytes}
+        )
+        per_client[(client_id, direction)] = per_client.get((client_id, direction), 0) + nbytes
+    for direction in TRANSFER_DIRECTIONS:
+        column = f"bytes_{direction}"
         rows = [
-            {"federation_id": fed.id, "round": round, "name": n, key: _count(b, f"bytes of {n!r}")}
-            for n, b in sorted(per_tensor.items())
+            {"federation_id": fed.id, "round": r, "name": n, column: b}
+            for (r, n, d), b in sorted(per_tensor_totals.items())
+            if d == direction
         ]
-        _add(session, TensorMetric.__table__, ("federation_id", "round", "name"), key, rows)
-    row = {"federation_id": fed.id, "round": round, "client_id": client_id, "direction": direction, "bytes": nbytes}
-    _add(session, Transfer.__table__, ("federation_id", "round", "client_id", "direction"), "bytes", [row])
-    column = Client.bytes_down if direction == "down" else Client.bytes_up
-    session.execute(update(Client).where(Client.id == client_id).values({column: column + nbytes}))
+        if rows:
+            _add(session, TensorMetric.__table__, ("federation_id", "round", "name"), column, rows)
+        clients = [{"cid": c, "n": b} for (c, d), b in sorted(per_client.items()) if d == direction]
+        if clients:
+            table = Client.__table__
+            session.connection().execute(
+                update(table)  # type: ignore[arg-type]  # a Table at runtime
+                .where(table.c.id == bindparam("cid"))
+                .values({column: table.c[column] + bindparam("n")}),
+                clients,
+            )
+            _expire_loaded(session, Client, {str(c["cid"]) for c in clients}, column)
+    if moves:
+        keys = ("federation_id", "round", "client_id", "direction")
+        _add(session, Transfer.__table__, keys, "bytes", moves)
+
+
+def _expire_loaded(session: Session, model: type[Any], ids: set[str], column: str) -> None:
+    """Core statements bypass the session: clients it has loaded reload ``column`` on next access."""
+    for obj in list(session.identity_map.values()):
+        if isinstance(obj, model) and obj.id in ids:
+            session.expire(obj, [column])
 
 
 def _add(session: Session, table: Any, keys: tuple[str, ...], column: str, rows: list[dict[str, Any]]) -> None:

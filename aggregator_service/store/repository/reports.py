@@ -9,7 +9,6 @@ from sqlalchemy.orm import Session
 
 from ..models import Client, Evaluation, Federation, Round, RoundMetrics, TensorMetric
 from ._common import NotFound, _count, _finite, _now, _page, _upsert
-from .rounds import get_round
 
 __all__ = [
     "evaluation_summary",
@@ -35,13 +34,13 @@ def record_evaluation(
     personalized_accuracy: float | None = None,
     num_samples: int = 0,
     now: datetime | None = None,
-) -> Evaluation:
-    """Record (or replace: the last report wins) a client's evaluation after ``round``.
+) -> bool:
+    """Record a client's evaluation after ``round``; ``False`` when it had reported already (the first stands).
 
-    Also sets the client's ``last_accuracy`` (personalized accuracy when given, else global).
+    A client that retries a report whose reply it lost sends the same numbers again; keeping the
+    first makes the retry harmless and needs no read before the write (``INSERT … ON CONFLICT DO
+    NOTHING``). Also sets the client's ``last_accuracy`` (personalized accuracy when given, else global).
     """
-    if get_round(session, fed, round) is None:
-        raise NotFound(f"federation {fed.name!r} has no round {round}")
     values = {
         "global_accuracy": _finite(global_accuracy, "global_accuracy"),
         "global_loss": _finite(global_loss, "global_loss"),
@@ -49,25 +48,23 @@ def record_evaluation(
         "num_samples": _count(num_samples, "num_samples"),
         "reported_at": _now(now),
     }
-    ins = _upsert(session)(Evaluation).values(federation_id=fed.id, round=round, client_id=client_id, **values)
-    session.execute(
-        ins.on_conflict_do_update(
-            index_elements=["federation_id", "round", "client_id"],
-            set_={k: getattr(ins.excluded, k) for k in values},
-        )
+    conn = session.connection()
+    known = conn.execute(select(Round.number).where(Round.federation_id == fed.id, Round.number == round)).first()
+    if known is None:
+        raise NotFound(f"federation {fed.name!r} has no round {round}")
+    ins = _upsert(session)(Evaluation.__table__).values(
+        federation_id=fed.id, round=round, client_id=client_id, **values
     )
+    first = ins.on_conflict_do_nothing(index_elements=["federation_id", "round", "client_id"])
+    if conn.execute(first.returning(Evaluation.__table__.c.client_id)).first() is None:
+        return False
     accuracy = (
         values["personalized_accuracy"] if values["personalized_accuracy"] is not None else values["global_accuracy"]
     )
     if accuracy is not None:
-        session.execute(update(Client).where(Client.id == client_id).values(last_accuracy=accuracy))
-    evaluation = session.scalar(
-        select(Evaluation)
-        .where(Evaluation.federation_id == fed.id, Evaluation.round == round, Evaluation.client_id == client_id)
-        .execution_options(populate_existing=True)
-    )
-    assert evaluation is not None
-    return evaluation
+        table = Client.__table__
+        conn.execute(update(table).where(table.c.id == client_id).values(last_accuracy=accuracy))  # type: ignore[arg-type]
+    return True
 
 
 def round_evaluations(session: Session, fed: Federation, round: int) -> list[Evaluation]:

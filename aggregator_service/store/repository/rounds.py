@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 import numpy as np
-from sqlalchemy import delete, func, insert, select
+from sqlalchemy import and_, delete, func, insert, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -148,28 +148,52 @@ def abandon_round(session: Session, fed: Federation, number: int, *, now: dateti
 # --------------------------------------------------------------------------- updates
 
 
-def _existing_update(session: Session, fed: Federation, update_id: str) -> Update | None:
-    return session.scalar(select(Update).where(Update.federation_id == fed.id, Update.update_id == update_id))
-
-
 def _duplicate_or_conflict(
     session: Session, fed: Federation, round: int, client_id: str, update_id: str
 ) -> tuple[Update, bool] | None:
-    existing = _existing_update(session, fed, update_id)
-    if existing is not None:
-        if existing.client_id != client_id or existing.round != round:
-            raise UpdateConflict(f"update_id {update_id!r} was already used for another client or round")
-        return existing, True
-    other = session.scalar(
-        select(Update.update_id).where(
-            Update.federation_id == fed.id, Update.round == round, Update.client_id == client_id
+    """``(stored update, True)`` for a retry of ``update_id``; ``None`` when the update is new.
+
+    One Core read finds both an earlier use of ``update_id`` and another update of this client
+    for this round (both unique): a push runs this on every client's critical path.
+    """
+    t = Update.__table__
+    hits = session.connection().execute(
+        select(t.c.id, t.c.update_id, t.c.client_id, t.c.round).where(
+            t.c.federation_id == fed.id,
+            or_(t.c.update_id == update_id, and_(t.c.round == round, t.c.client_id == client_id)),
         )
     )
-    if other is not None:
-        raise UpdateConflict(
-            f"client {client_id} already pushed update {other!r} for round {round}; one update per round"
-        )
+    for pk, uid, cid, rnd in hits.all():
+        if uid != update_id:
+            raise UpdateConflict(
+                f"client {client_id} already pushed update {uid!r} for round {round}; one update per round"
+            )
+        if cid != client_id or rnd != round:
+            raise UpdateConflict(f"update_id {update_id!r} was already used for another client or round")
+        existing = session.get(Update, pk)
+        assert existing is not None
+        return existing, True
     return None
+
+
+def _check_open_member(session: Session, fed: Federation, number: int, client_id: str) -> None:
+    """Round ``number`` is open and ``client_id`` in its cohort, read ``FOR SHARE`` (a concurrent close waits)."""
+    t = Round.__table__
+    row = (
+        session.connection()
+        .execute(
+            select(t.c.state, t.c.cohort_json)
+            .where(t.c.federation_id == fed.id, t.c.number == number)
+            .with_for_update(read=True)
+        )
+        .first()
+    )
+    if row is None:
+        raise NotFound(f"federation {fed.name!r} has no round {number}")
+    if row.state != "open":
+        raise RoundStateError(f"round {number} is {row.state}")
+    if client_id not in row.cohort_json:
+        raise NotInCohort(f"client {client_id} is not in round {number}'s cohort")
 
 
 def store_update(
@@ -185,12 +209,13 @@ def store_update(
     *,
     now: datetime | None = None,
 ) -> tuple[Update, bool]:
-    """Store one client's update for an open round; ``(update, duplicate)``.
+    """Store one client's update for an open round; ``(update header, duplicate)``.
 
     Idempotent on ``update_id``: a retry returns the stored update with ``duplicate=True`` and
     writes nothing (also when two copies race: the loser's unique-constraint violation is
     rolled back to a SAVEPOINT and the winner's row returned). The acknowledgement may be sent
-    once the caller's transaction has committed.
+    once the caller's transaction has committed. A new update is written with Core statements
+    (a push is on every client's critical path); its header is returned detached from the session.
 
     Raises :class:`RoundStateError` (round not open), :class:`NotFound` (no such round),
     :class:`NotInCohort`, :class:`UpdateConflict` (a different update of this client for this
@@ -206,9 +231,7 @@ def store_update(
     found = _duplicate_or_conflict(session, fed, round, client_id, update_id)
     if found is not None:
         return found
-    rnd = _open(session, fed, round, shared=True)  # FOR SHARE: a concurrent close waits for this push
-    if client_id not in rnd.cohort:
-        raise NotInCohort(f"client {client_id} is not in round {round}'s cohort")
+    _check_open_member(session, fed, round, client_id)
 
     from fedcore.codec import DTYPES, CodecError
 
@@ -226,25 +249,27 @@ def store_update(
 
     rows = [("model", n, blob(n, a)) for n, a in tensors.items()]
     rows += [("control_delta", n, blob(n, a)) for n, a in (control_delta or {}).items()]
-    upd = Update(
-        federation_id=fed.id,
-        round=round,
-        client_id=client_id,
-        update_id=update_id,
-        num_samples=num_samples,
-        metrics=clean_metrics,
-        received_at=_now(now),
-    )
+    header = {
+        "federation_id": fed.id,
+        "round": round,
+        "client_id": client_id,
+        "update_id": update_id,
+        "num_samples": num_samples,
+        "metrics": clean_metrics,
+        "received_at": _now(now),
+    }
+    table = Update.__table__
     try:
         with session.begin_nested():
-            session.add(upd)
-            session.flush()
-            if rows:  # Core, not the ORM's bulk path: a push is on every client's critical path
-                session.connection().execute(
+            conn = session.connection()
+            values = {table.c[k if k != "metrics" else "metrics_json"]: v for k, v in header.items()}
+            pk = conn.execute(insert(table).values(values).returning(table.c.id)).scalar_one()  # type: ignore[arg-type]
+            if rows:
+                conn.execute(
                     insert(UpdateTensor.__table__),  # type: ignore[arg-type]  # a Table at runtime
                     [
                         {
-                            "update_pk": upd.id,
+                            "update_pk": pk,
                             "kind": kind,
                             "name": name,
                             "dtype": dtype,
@@ -260,7 +285,7 @@ def store_update(
         if found is None:
             raise
         return found
-    return upd, False
+    return Update(id=pk, **header), False
 
 
 def iter_round_updates(
@@ -268,29 +293,25 @@ def iter_round_updates(
 ) -> Iterator[tuple[Update, dict[str, np.ndarray], dict[str, np.ndarray] | None]]:
     """The round's updates one by one, in registration order: ``(header, tensors, control_delta or None)``.
 
-    Only the ids are read up front; each update's blobs are fetched when it is reached, so
-    memory stays O(one update) however many clients reported.
+    Only the headers are read up front (detached from the session); each update's blobs are
+    fetched when it is reached, so memory stays O(one update) however many clients reported.
     """
-    ids = session.scalars(
-        select(Update.id)
-        .join(Client, Client.id == Update.client_id)
-        .where(Update.federation_id == fed.id, Update.round == round)
-        .order_by(Client.number)
+    u, c, t = Update.__table__, Client.__table__, UpdateTensor.__table__
+    conn = session.connection()  # Core reads: a close reads every update of the round
+    fields = ("id", "federation_id", "round", "client_id", "update_id", "num_samples", "metrics", "received_at")
+    headers = conn.execute(
+        select(*(u.c[f if f != "metrics" else "metrics_json"] for f in fields))
+        .join(c, c.c.id == u.c.client_id)
+        .where(u.c.federation_id == fed.id, u.c.round == round)
+        .order_by(c.c.number)
     ).all()
-    for pk in ids:
-        header = session.get(Update, pk)
-        if header is None:  # deleted meanwhile (only possible without the round lock)
-            continue
+    blobs = select(t.c.kind, t.c.name, t.c.dtype, t.c.shape_json, t.c.data).order_by(t.c.kind, t.c.name)
+    for row in headers:
         model: dict[str, np.ndarray] = {}
         deltas: dict[str, np.ndarray] = {}
-        rows = session.execute(
-            select(UpdateTensor.kind, UpdateTensor.name, UpdateTensor.dtype, UpdateTensor.shape, UpdateTensor.data)
-            .where(UpdateTensor.update_pk == pk)
-            .order_by(UpdateTensor.kind, UpdateTensor.name)
-        )
-        for kind, name, dtype, shape, data in rows:
+        for kind, name, dtype, shape, data in conn.execute(blobs.where(t.c.update_pk == row.id)):
             (model if kind == "model" else deltas)[name] = _decode(name, dtype, shape, data)
-        yield header, model, (deltas or None)
+        yield Update(**dict(zip(fields, row, strict=True))), model, (deltas or None)
 
 
 def count_updates(session: Session, fed: Federation, round: int) -> int:

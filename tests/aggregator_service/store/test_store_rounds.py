@@ -233,12 +233,12 @@ def test_one_open_round_even_across_replicas(db, world):
 def test_evaluations(db, world):
     a, b, _ = world.clients
     with db.factory.begin() as s:
-        store.record_evaluation(s, world.fed, 1, a, global_accuracy=0.5, global_loss=1.0, num_samples=10)
-        store.record_evaluation(s, world.fed, 1, b, global_accuracy=0.8, global_loss=0.5, num_samples=30)
-        again = store.record_evaluation(
+        assert store.record_evaluation(
             s, world.fed, 1, a, global_accuracy=0.6, global_loss=0.9, personalized_accuracy=0.7, num_samples=10
         )
-        assert again.global_accuracy == 0.6
+        assert store.record_evaluation(s, world.fed, 1, b, global_accuracy=0.8, global_loss=0.5, num_samples=30)
+        again = store.record_evaluation(s, world.fed, 1, a, global_accuracy=0.1, global_loss=3.0, num_samples=10)
+        assert again is False  # the first report stands
         with pytest.raises(store.NotFound):
             store.record_evaluation(s, world.fed, 7, a, global_accuracy=0.1, global_loss=0.1)
         with pytest.raises(ValueError, match="finite"):
