@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -120,9 +121,22 @@ def _decode(name: str, dtype: str, shape: Sequence[int], data: bytes) -> np.ndar
 
 def _upsert(session: Session) -> Any:
     """The dialect's INSERT … ON CONFLICT construct (SQLite ≥ 3.24 and PostgreSQL both have it)."""
-    name = session.get_bind().dialect.name
-    if name == "postgresql":
+    return upsert_for(session.get_bind().dialect.name)
+
+
+def upsert_for(dialect: str) -> Any:
+    if dialect == "postgresql":
         return postgresql.insert
-    if name == "sqlite":
+    if dialect == "sqlite":
         return sqlite.insert
-    raise NotImplementedError(f"the store supports SQLite and PostgreSQL, not {name}")
+    raise NotImplementedError(f"the store supports SQLite and PostgreSQL, not {dialect}")
+
+
+def prebuilt(build: Callable[[str], Any]) -> Callable[[str], Any]:
+    """A statement per dialect, built once and executed with parameters ever after.
+
+    For the statements on every client's critical path (a push, a report): executing the same
+    statement object skips building it and adapting its result columns to a new one, which
+    costs SQLAlchemy more than the statement costs SQLite.
+    """
+    return functools.cache(build)

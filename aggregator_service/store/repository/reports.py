@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from ..models import Client, Evaluation, Federation, Round, RoundMetrics, TensorMetric
-from ._common import NotFound, _count, _finite, _now, _page, _upsert
+from ._common import NotFound, _count, _finite, _now, _page, prebuilt, upsert_for
 
 __all__ = [
     "evaluation_summary",
@@ -21,6 +22,22 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- evaluations
+
+# Statements every report runs, built once (see ``_common.prebuilt``).
+_ROUND_EXISTS = select(Round.number).where(Round.federation_id == bindparam("fed"), Round.number == bindparam("round"))
+_SET_LAST_ACCURACY = (
+    update(Client.__table__)  # type: ignore[arg-type]  # a Table at runtime
+    .where(Client.__table__.c.id == bindparam("cid"))
+    .values(last_accuracy=bindparam("accuracy"))
+)
+
+
+@prebuilt
+def _first_evaluation(dialect: str) -> Any:
+    """``INSERT … ON CONFLICT DO NOTHING RETURNING``: a row back only when this report is the first."""
+    table = Evaluation.__table__
+    ins = upsert_for(dialect)(table).on_conflict_do_nothing(index_elements=["federation_id", "round", "client_id"])
+    return ins.returning(table.c.client_id)
 
 
 def record_evaluation(
@@ -49,21 +66,16 @@ def record_evaluation(
         "reported_at": _now(now),
     }
     conn = session.connection()
-    known = conn.execute(select(Round.number).where(Round.federation_id == fed.id, Round.number == round)).first()
-    if known is None:
+    if conn.execute(_ROUND_EXISTS, {"fed": fed.id, "round": round}).first() is None:
         raise NotFound(f"federation {fed.name!r} has no round {round}")
-    ins = _upsert(session)(Evaluation.__table__).values(
-        federation_id=fed.id, round=round, client_id=client_id, **values
-    )
-    first = ins.on_conflict_do_nothing(index_elements=["federation_id", "round", "client_id"])
-    if conn.execute(first.returning(Evaluation.__table__.c.client_id)).first() is None:
+    row = {"federation_id": fed.id, "round": round, "client_id": client_id, **values}
+    if conn.execute(_first_evaluation(conn.dialect.name), row).first() is None:
         return False
     accuracy = (
         values["personalized_accuracy"] if values["personalized_accuracy"] is not None else values["global_accuracy"]
     )
     if accuracy is not None:
-        table = Client.__table__
-        conn.execute(update(table).where(table.c.id == client_id).values(last_accuracy=accuracy))  # type: ignore[arg-type]
+        conn.execute(_SET_LAST_ACCURACY, {"cid": client_id, "accuracy": accuracy})
     return True
 
 

@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 import numpy as np
-from sqlalchemy import and_, delete, func, insert, or_, select
+from sqlalchemy import and_, bindparam, delete, func, insert, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -148,6 +148,24 @@ def abandon_round(session: Session, fed: Federation, number: int, *, now: dateti
 # --------------------------------------------------------------------------- updates
 
 
+# Statements every push runs, built once (see ``_common.prebuilt``).
+_U, _R = Update.__table__, Round.__table__
+_UPDATE_OR_SLOT = select(_U.c.id, _U.c.update_id, _U.c.client_id, _U.c.round).where(
+    _U.c.federation_id == bindparam("fed"),
+    or_(
+        _U.c.update_id == bindparam("update_id"),
+        and_(_U.c.round == bindparam("round"), _U.c.client_id == bindparam("client_id")),
+    ),
+)
+_ROUND_FOR_SHARE = (
+    select(_R.c.state, _R.c.cohort_json)
+    .where(_R.c.federation_id == bindparam("fed"), _R.c.number == bindparam("number"))
+    .with_for_update(read=True)
+)
+_INSERT_UPDATE = insert(_U).returning(_U.c.id)  # type: ignore[arg-type]  # a Table at runtime
+_INSERT_UPDATE_TENSOR = insert(UpdateTensor.__table__)  # type: ignore[arg-type]
+
+
 def _duplicate_or_conflict(
     session: Session, fed: Federation, round: int, client_id: str, update_id: str
 ) -> tuple[Update, bool] | None:
@@ -156,12 +174,8 @@ def _duplicate_or_conflict(
     One Core read finds both an earlier use of ``update_id`` and another update of this client
     for this round (both unique): a push runs this on every client's critical path.
     """
-    t = Update.__table__
     hits = session.connection().execute(
-        select(t.c.id, t.c.update_id, t.c.client_id, t.c.round).where(
-            t.c.federation_id == fed.id,
-            or_(t.c.update_id == update_id, and_(t.c.round == round, t.c.client_id == client_id)),
-        )
+        _UPDATE_OR_SLOT, {"fed": fed.id, "update_id": update_id, "round": round, "client_id": client_id}
     )
     for pk, uid, cid, rnd in hits.all():
         if uid != update_id:
@@ -178,16 +192,7 @@ def _duplicate_or_conflict(
 
 def _check_open_member(session: Session, fed: Federation, number: int, client_id: str) -> None:
     """Round ``number`` is open and ``client_id`` in its cohort, read ``FOR SHARE`` (a concurrent close waits)."""
-    t = Round.__table__
-    row = (
-        session.connection()
-        .execute(
-            select(t.c.state, t.c.cohort_json)
-            .where(t.c.federation_id == fed.id, t.c.number == number)
-            .with_for_update(read=True)
-        )
-        .first()
-    )
+    row = session.connection().execute(_ROUND_FOR_SHARE, {"fed": fed.id, "number": number}).first()
     if row is None:
         raise NotFound(f"federation {fed.name!r} has no round {number}")
     if row.state != "open":
@@ -258,15 +263,14 @@ def store_update(
         "metrics": clean_metrics,
         "received_at": _now(now),
     }
-    table = Update.__table__
     try:
         with session.begin_nested():
             conn = session.connection()
-            values = {table.c[k if k != "metrics" else "metrics_json"]: v for k, v in header.items()}
-            pk = conn.execute(insert(table).values(values).returning(table.c.id)).scalar_one()  # type: ignore[arg-type]
+            pk = conn.execute(_INSERT_UPDATE, {k if k != "metrics" else "metrics_json": v for k, v in header.items()})
+            pk = pk.scalar_one()
             if rows:
                 conn.execute(
-                    insert(UpdateTensor.__table__),  # type: ignore[arg-type]  # a Table at runtime
+                    _INSERT_UPDATE_TENSOR,
                     [
                         {
                             "update_pk": pk,
@@ -305,11 +309,15 @@ def iter_round_updates(
         .where(u.c.federation_id == fed.id, u.c.round == round)
         .order_by(c.c.number)
     ).all()
-    blobs = select(t.c.kind, t.c.name, t.c.dtype, t.c.shape_json, t.c.data).order_by(t.c.kind, t.c.name)
+    blobs = (
+        select(t.c.kind, t.c.name, t.c.dtype, t.c.shape_json, t.c.data)
+        .where(t.c.update_pk == bindparam("pk"))
+        .order_by(t.c.kind, t.c.name)
+    )
     for row in headers:
         model: dict[str, np.ndarray] = {}
         deltas: dict[str, np.ndarray] = {}
-        for kind, name, dtype, shape, data in conn.execute(blobs.where(t.c.update_pk == row.id)):
+        for kind, name, dtype, shape, data in conn.execute(blobs, {"pk": row.id}):
             (model if kind == "model" else deltas)[name] = _decode(name, dtype, shape, data)
         yield Update(**dict(zip(fields, row, strict=True))), model, (deltas or None)
 
