@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Engine, func, select
 from sqlalchemy.orm import Session
 
 from aggregator_service import store
@@ -86,10 +86,13 @@ def run_grpc_simulation(
     pop = population(config)
     seen: set[int] = set()
 
+    reader = store.create_engine_for(database_url, sqlite_begin="DEFERRED")  # reads: never wait for the aggregator
+
     def poll() -> None:
-        if progress is None:
+        """Report rounds closed since the last poll (twice a second; one cheap read when none did)."""
+        if progress is None or _last_closed(reader, federation_name) <= max(seen, default=0):
             return
-        for record in records_from_store(database_url, federation_name, after=max(seen, default=0)):
+        for record in records_from_store(reader, federation_name, after=max(seen, default=0)):
             if record["round"] not in seen:
                 seen.add(record["round"])
                 progress(record)
@@ -98,6 +101,7 @@ def run_grpc_simulation(
         register_all(target, pop, pop.build(), enrollment_secret, root, tls_ca)
         run_grpc_pool(target, pop, root, workers=workers, tls_ca=tls_ca, poll=poll)
     finally:
+        reader.dispose()
         if owned is not None:
             owned[0].stop(grace=5).wait()
             owned[2].stop()
@@ -126,11 +130,25 @@ def _start_aggregator(settings: AggregatorSettings) -> tuple[Any, int, Any]:
     return server, port, ticker
 
 
-def records_from_store(url: str, federation_name: str = "default", after: int = 0) -> list[dict[str, Any]]:
-    """Closed rounds after round ``after`` as the simulator's per-round records (docs/simulation.md)."""
+def _last_closed(engine: Engine, federation_name: str) -> int:
+    with Session(engine) as s:
+        last = s.scalar(
+            select(func.max(store.Round.number))
+            .join(store.Federation, store.Federation.id == store.Round.federation_id)
+            .where(store.Federation.name == federation_name, store.Round.state == "closed")
+        )
+    return int(last or 0)
+
+
+def records_from_store(url: str | Engine, federation_name: str = "default", after: int = 0) -> list[dict[str, Any]]:
+    """Closed rounds after round ``after`` as the simulator's per-round records (docs/simulation.md).
+
+    Rounds up to ``after`` are read only for the cumulative byte counts.
+    """
     from fedatoms.simulate import mean_or_none
 
-    engine = store.create_engine_for(url, sqlite_begin="DEFERRED")  # reads: never wait for the aggregator
+    own = not isinstance(url, Engine)
+    engine = url if isinstance(url, Engine) else store.create_engine_for(url, sqlite_begin="DEFERRED")
     records: list[dict[str, Any]] = []
     try:
         with Session(engine) as s:
@@ -152,6 +170,11 @@ def records_from_store(url: str, federation_name: str = "default", after: int = 
             moved = _transfers(s, fed.id)
             for rnd, m in rows:
                 n = rnd.number
+                if n <= after:
+                    totals["bytes_up"] += moved.get((n, "up"), 0)
+                    totals["bytes_down"] += moved.get((n, "down"), 0)
+                    totals["fedavg_equivalent_bytes"] += int(m.fedavg_equivalent_bytes or 0)
+                    continue
                 evals = s.execute(
                     select(store.Evaluation.global_accuracy, store.Evaluation.personalized_accuracy)
                     .join(store.Client, store.Client.id == store.Evaluation.client_id)
@@ -180,10 +203,10 @@ def records_from_store(url: str, federation_name: str = "default", after: int = 
                 for key in totals:
                     totals[key] += record[key]
                     record[f"cumulative_{key}"] = totals[key]
-                if n > after:
-                    records.append(record)
+                records.append(record)
     finally:
-        engine.dispose()
+        if own:
+            engine.dispose()
     return records
 
 
