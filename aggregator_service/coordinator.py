@@ -597,9 +597,10 @@ class Coordinator:
             kv("update_stored", round=round_, client=client.id, duplicate=duplicate, tensors=len(model), bytes=size)
         )
         with self._lock:
-            if self._open is op:  # else the round closed (with this update: it committed first) or was abandoned
-                op.reported.add(client.key)
-                if op.reported.issuperset(op.plan.cohort):
+            now_open = self._open  # the same round, or a reload of it, unless it closed (with this update:
+            if now_open is not None and now_open.plan.round == round_:  # it committed first) or was abandoned
+                now_open.reported.add(client.key)
+                if now_open.reported.issuperset(now_open.plan.cohort):
                     self._close_logged("cohort_complete")
         note = "duplicate of an update already stored" if duplicate else f"stored {len(model)} tensors, {size} bytes"
         return PushResult(True, duplicate, round_, note)
