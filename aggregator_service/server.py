@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from torch import Tensor
 
+from aggregator_service import store
 from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
 from aggregator_service.coordinator import ClientInfo, Coordinator, Done, Train, kv
 from aggregator_service.errors import InvalidArgument, ServiceError, Unauthenticated
@@ -378,8 +379,21 @@ def configure_logging(level: int = logging.INFO) -> None:
 
 
 def serve(settings: AggregatorSettings) -> int:
-    """Run the aggregator until SIGTERM or SIGINT; returns the process exit code."""
+    """Run the aggregator until SIGTERM or SIGINT; returns the process exit code.
+
+    Refuses to start (exit code 1) while another aggregator serves the same federation on the
+    same database (:func:`aggregator_service.store.exclusive_federation`).
+    """
     configure_logging()
+    try:
+        with store.exclusive_federation(settings.database_url, settings.federation_name):
+            return _serve(settings)
+    except store.FederationBusy as exc:
+        log.error(kv("federation_busy", detail=str(exc)))
+        return 1
+
+
+def _serve(settings: AggregatorSettings) -> int:
     server, port, coordinator = build_server(settings)
     health_servicer: health.HealthServicer = server.health_servicer  # type: ignore[attr-defined]
     ticker = DeadlineTicker(coordinator, health_servicer)

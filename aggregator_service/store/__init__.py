@@ -44,6 +44,7 @@ from .models import (
     UpdateTensor,
     utcnow,
 )
+from .ownership import FederationBusy, exclusive_federation
 from .repository import (
     ENROLLMENT_PBKDF2_ITERATIONS,
     ROUND_METRIC_FIELDS,
@@ -114,6 +115,7 @@ __all__ = [
     "Client",
     "Evaluation",
     "Federation",
+    "FederationBusy",
     "FederationExists",
     "GlobalTensor",
     "NotFound",
@@ -141,6 +143,7 @@ __all__ = [
     "delete_round_updates",
     "downgrade",
     "evaluation_summary",
+    "exclusive_federation",
     "extend_round",
     "get_client",
     "get_federation",

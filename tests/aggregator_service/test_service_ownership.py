@@ -1,0 +1,105 @@
+"""One aggregator per federation: a second `fedatoms aggregator serve` on the same federation refuses to start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_helpers import SECRET, free_port, wait_serving
+from support import postgres_schema
+
+from aggregator_service import store
+from fedatoms.v1 import aggregator_pb2 as pb
+from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'agg.db'}"
+        return
+    base = os.environ.get("FEDATOMS_TEST_POSTGRES_URL")
+    if not base:
+        pytest.skip("FEDATOMS_TEST_POSTGRES_URL not set: PostgreSQL ownership test skipped")
+    with postgres_schema(base) as scoped:
+        yield scoped
+
+
+def _cmd(tmp_path: Path, url: str, port: int) -> list[str]:
+    config = tmp_path / "federation.toml"
+    config.write_text(f'enrollment_secret = "{SECRET}"\n\n[federation]\nmodel = "digits-cnn"\n')
+    return [
+        sys.executable, "-m", "fedatoms", "aggregator", "serve", "--config", str(config),
+        "--listen", f"127.0.0.1:{port}", "--database-url", url,
+    ]  # fmt: skip
+
+
+def _start(cmd: list[str], log: Path, env: dict[str, str] = ENV) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    try:
+        wait_serving(cmd[cmd.index("--listen") + 1])
+    except TimeoutError:
+        proc.kill()
+        raise AssertionError(f"aggregator did not start:\n{log.read_text()}") from None
+    return proc
+
+
+def _registers(port: int) -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = pb_grpc.AggregatorStub(channel).Register(
+            pb.RegisterRequest(profile=pb.CapabilityProfile(num_samples=10), enrollment_secret=SECRET), timeout=30
+        )
+    return bool(reply.token)
+
+
+def test_second_aggregator_on_the_same_federation_refuses_to_start(tmp_path: Path, url: str) -> None:
+    first_port = free_port()
+    first = _start(_cmd(tmp_path, url, first_port), tmp_path / "first.log")
+    others: list[subprocess.Popen] = []
+    try:
+        second = subprocess.run(
+            _cmd(tmp_path, url, free_port()), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+        )
+        assert second.returncode == 1, second.stderr
+        assert "event=federation_busy" in second.stderr and "served by another aggregator" in second.stderr
+        if url.startswith("sqlite"):
+            assert f"pid {first.pid}" in second.stderr  # the lock file names the holder
+        assert _registers(first_port)  # the first one serves on, untouched
+
+        # another federation on the same database is another lock
+        other_port = free_port()
+        env = {**ENV, "FEDATOMS_FEDERATION_NAME": "other"}
+        others.append(_start(_cmd(tmp_path, url, other_port), tmp_path / "other.log", env))
+        assert _registers(other_port)
+
+        # a killed holder leaves no lock behind: its successor starts on the same database
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        successor_port = free_port()
+        others.append(_start(_cmd(tmp_path, url, successor_port), tmp_path / "successor.log"))
+        assert _registers(successor_port)
+    finally:
+        for proc in [first, *others]:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)
+
+
+def test_the_lock_is_exclusive_within_one_process_too(url: str) -> None:
+    with store.exclusive_federation(url, "default"):
+        with pytest.raises(store.FederationBusy, match="served by another aggregator"):
+            with store.exclusive_federation(url, "default"):
+                pass
+        with store.exclusive_federation(url, "default-2"):  # another federation is free
+            pass
+    with store.exclusive_federation(url, "default"):  # released on leaving the block
+        pass
