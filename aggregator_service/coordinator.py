@@ -36,7 +36,7 @@ from torch import Tensor
 from aggregator_service import store
 from aggregator_service.aggregation import ClientUpdate
 from aggregator_service.config import AggregatorSettings
-from aggregator_service.errors import FailedPrecondition, InvalidArgument, Unauthenticated
+from aggregator_service.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated
 from aggregator_service.group_commit import GroupCommit
 from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome, RoundPlan, client_key, client_number, derive_seed
@@ -131,6 +131,7 @@ _TOKEN_LOOKUP = select(
     store.Client.name,
     store.Client.number,
     store.Client.last_seen,
+    store.Client.cert_sha256,
 ).where(store.Client.token_hash == bindparam("token_hash"))
 
 
@@ -282,8 +283,13 @@ class Coordinator:
 
     # ------------------------------------------------------------------ clients
 
-    def register(self, profile: CapabilityProfile, secret: str, name: str | None = None) -> Registration:
-        """Enroll a device: check the enrollment secret, assign the largest tier that fits, store it."""
+    def register(
+        self, profile: CapabilityProfile, secret: str, name: str | None = None, cert_sha256: str | None = None
+    ) -> Registration:
+        """Enroll a device: check the enrollment secret, assign the largest tier that fits, store it.
+
+        ``cert_sha256`` (mutual TLS): the client certificate the token will be honoured with.
+        """
         self._check_secret(secret)
         try:
             tier = assign_tier(profile, self.config.spec, tuple(self.config.tiers))
@@ -294,7 +300,9 @@ class Coordinator:
         for attempt in range(5):  # another replica may take the same registration number: retry
             try:
                 with self._lock, self._factory.begin() as s:
-                    client, token = store.register_client(s, self._fed_row, profile.to_dict(), tier, name)
+                    client, token = store.register_client(
+                        s, self._fed_row, profile.to_dict(), tier, name, cert_sha256=cert_sha256
+                    )
                 break
             except IntegrityError:
                 if attempt == 4:
@@ -313,11 +321,13 @@ class Coordinator:
             )
         self._accepted_secrets.add(digest)  # PBKDF2 costs ~0.15 s: verify each secret once per process
 
-    def authenticate(self, token: str) -> ClientInfo:
+    def authenticate(self, token: str, cert_sha256: str | None = None) -> ClientInfo:
         """The client holding ``token``; refreshes its last-seen time (at most every few seconds).
 
         Every call reads the database (no cached tokens), so a revocation by any process (the
-        dashboard, ``fedatoms aggregator revoke``) refuses the very next call.
+        dashboard, ``fedatoms aggregator revoke``) refuses the very next call. Under mutual TLS
+        (``cert_sha256`` given), a token bound to a certificate is honoured only with that certificate:
+        a stolen token alone does not make another enrolled device that client.
         """
         if not token:
             raise Unauthenticated("missing bearer token: send metadata 'authorization: Bearer <token from Register>'")
@@ -328,6 +338,11 @@ class Coordinator:
             raise Unauthenticated("unknown token: register again to get a new client id and token")
         if row.revoked_at is not None:
             raise Unauthenticated(f"token revoked for client {row.id}: the operator removed this client")
+        if cert_sha256 is not None and row.cert_sha256 is not None and row.cert_sha256 != cert_sha256:
+            raise PermissionDenied(
+                f"the token of client {row.id} is bound to the client certificate it registered with "
+                f"(sha256 {row.cert_sha256[:16]}…); this connection presents another (sha256 {cert_sha256[:16]}…)"
+            )
         due = self._touch(row.id, row.last_seen, now)
         if due:
             with self._factory.begin() as s:

@@ -10,8 +10,10 @@ SIGTERM/SIGINT with a background thread that enforces round deadlines.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import signal
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -85,6 +87,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.settings = settings
         self.push_limit = settings.push_limit
         self.fp16 = settings.federation.fp16
+        self.mtls = settings.tls_client_ca is not None
+        self._cert_digests: dict[bytes, str] = {}  # PEM → sha256 of its DER
         # (tier, kind, name) → (the tensor object and version it was built from, its serialized frames)
         self._wire_cache: dict[tuple[float, int, str], tuple[Tensor, int, tuple[tuple[bytes, int], ...]]] = {}
 
@@ -95,7 +99,24 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         scheme, _, token = str(values[0]).partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise Unauthenticated("malformed authorization metadata: expected 'Bearer <token>'")
-        return self.coordinator.authenticate(token.strip())
+        return self.coordinator.authenticate(token.strip(), self._peer_certificate(context))
+
+    def _peer_certificate(self, context: grpc.ServicerContext) -> str | None:
+        """SHA-256 (hex) of the client certificate under mutual TLS; ``None`` without it."""
+        if not self.mtls:
+            return None
+        pems = context.auth_context().get("x509_pem_cert")
+        if not pems:
+            raise Unauthenticated("mutual TLS: the connection carries no client certificate")
+        pem = pems[0]
+        digest = self._cert_digests.get(pem)
+        if digest is None:
+            der = ssl.PEM_cert_to_DER_cert(pem.decode("ascii"))
+            digest = hashlib.sha256(der).hexdigest()
+            if len(self._cert_digests) > 4096:  # a bound on memory, not a cache policy: rebuilt on demand
+                self._cert_digests.clear()
+            self._cert_digests[pem] = digest
+        return digest
 
     @_rpc
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
@@ -110,7 +131,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             preferred_tier=p.preferred_tier if p.HasField("preferred_tier") else None,
         )
         name = request.client_name if request.HasField("client_name") else None
-        reg = self.coordinator.register(profile, request.enrollment_secret, name)
+        reg = self.coordinator.register(profile, request.enrollment_secret, name, self._peer_certificate(context))
         return pb.RegisterReply(
             client_id=reg.client_id,
             token=reg.token,

@@ -179,7 +179,7 @@ class AggregatorClient:
                 return fn()
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
-                if code == grpc.StatusCode.UNAUTHENTICATED:
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise Unauthenticated(f"{what}: {exc.details()}") from exc  # type: ignore[attr-defined]
                 elapsed = time.monotonic() - started
                 limit = self.backoff.max_elapsed

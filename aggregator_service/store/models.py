@@ -185,6 +185,9 @@ class Client(Base):
     # training and folds updates by it, so a run through gRPC repeats an in-process run exactly.
     number: Mapped[int] = mapped_column(Integer)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the bearer token
+    # sha256 hex of the DER client certificate it registered with under mutual TLS: the token is
+    # honoured only with that certificate (None: registered without one)
+    cert_sha256: Mapped[str | None] = mapped_column(String(64))
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     profile: Mapped[dict[str, Any]] = mapped_column("profile_json", JSONText)
     tier: Mapped[float] = mapped_column(Float)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
+import ssl
 import subprocess
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_helpers import SECRET, register, shards
+from sqlalchemy import func, select
 
 from aggregator_service import store
 from fedatoms.v1 import aggregator_pb2 as pb
@@ -49,6 +52,7 @@ def pki(tmp_path: Path) -> Path:
     )  # fmt: skip
     _signed(d, "server", "serverAuth", "IP:127.0.0.1,DNS:localhost")
     _signed(d, "client", "clientAuth", None)
+    _signed(d, "client2", "clientAuth", None)
     return d
 
 
@@ -99,6 +103,46 @@ def test_mutual_tls_needs_a_client_certificate_of_the_ca(start_service, sqlite_u
         assert _register(channel).token
     with grpc.insecure_channel(target) as channel:
         _refused(channel)
+
+
+def test_mutual_tls_binds_the_token_to_the_registering_certificate(start_service, sqlite_url, pki: Path) -> None:
+    svc = start_service(
+        sqlite_url, tls_cert=pki / "server.pem", tls_key=pki / "server.key", tls_client_ca=pki / "ca.pem"
+    )
+    target = f"127.0.0.1:{svc.port}"
+
+    def creds(name: str) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=(pki / "ca.pem").read_bytes(),
+            private_key=(pki / f"{name}.key").read_bytes(),
+            certificate_chain=(pki / f"{name}.pem").read_bytes(),
+        )
+
+    with grpc.secure_channel(target, creds("client")) as channel:
+        reply = _register(channel)
+        auth = (("authorization", f"Bearer {reply.token}"),)
+        beat = pb_grpc.AggregatorStub(channel).Heartbeat(pb.HeartbeatRequest(), metadata=auth, timeout=10)
+        assert beat.server_time_unix > 0  # its own certificate: honoured
+    engine = store.create_engine_for(sqlite_url)
+    try:
+        with store.session_factory(engine)() as s:
+            row = s.get(store.Client, reply.client_id)
+            assert row is not None
+            der = ssl.PEM_cert_to_DER_cert((pki / "client.pem").read_text())
+            assert row.cert_sha256 == hashlib.sha256(der).hexdigest()
+            before = (row.last_seen, s.scalar(select(func.count()).select_from(store.Client)))
+        # the same token from another enrolled device (another certificate of the CA) is refused
+        with grpc.secure_channel(target, creds("client2")) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.AggregatorStub(channel).Heartbeat(pb.HeartbeatRequest(), metadata=auth, timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "bound to the client certificate it registered with" in info.value.details()
+        with store.session_factory(engine)() as s:
+            row = s.get(store.Client, reply.client_id)
+            assert row is not None
+            assert (row.last_seen, s.scalar(select(func.count()).select_from(store.Client))) == before
+    finally:
+        engine.dispose()
 
 
 def test_pause_answers_wait_and_resume_continues(start_service, sqlite_url) -> None:

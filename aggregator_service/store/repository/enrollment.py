@@ -150,9 +150,13 @@ def register_client(
     tier: float,
     name: str | None = None,
     *,
+    cert_sha256: str | None = None,
     now: datetime | None = None,
 ) -> tuple[Client, str]:
-    """Enroll a device; returns the client and its bearer token (shown once: only its hash is stored)."""
+    """Enroll a device; returns the client and its bearer token (shown once: only its hash is stored).
+
+    ``cert_sha256`` binds the token to the client certificate the device registered with (mutual TLS).
+    """
     if not (0.0 < float(tier) <= 1.0):
         raise ValueError(f"tier must be in (0, 1], got {tier}")
     t = _now(now)
@@ -167,6 +171,7 @@ def register_client(
         number=int(number or 0),
         name=name or f"client-{client_id[:8]}",
         token_hash=hash_token(token),
+        cert_sha256=cert_sha256,
         profile=_json(dict(profile), "profile"),
         tier=float(tier),
         registered_at=t,
