@@ -225,6 +225,7 @@ def run_grpc_pool(
     tls_ca: str | None = None,
     poll: Callable[[], None] | None = None,
     eval_poll_seconds: float = 0.02,
+    torch_threads: int = 1,
 ) -> dict[str, int]:
     """Run every virtual client through ``workers`` processes until the federation is done.
 
@@ -234,7 +235,9 @@ def run_grpc_pool(
     n = population.num_clients
     workers = max(1, min(workers, n))
     jobs = [
-        WorkerJob(target, population, tuple(range(w, n, workers)), str(state_root), tls_ca, 1, eval_poll_seconds)
+        WorkerJob(
+            target, population, tuple(range(w, n, workers)), str(state_root), tls_ca, torch_threads, eval_poll_seconds
+        )
         for w in range(workers)
     ]
     results: dict[str, int] = {}

@@ -75,6 +75,7 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp16", action="store_true", default=None, help="send tensors as float16")
     g.add_argument("--seed", type=int)
     g.add_argument("--device", help="auto, cpu or cuda")
+    g.add_argument("--threads", type=int, help="torch threads per training and for aggregation (default 1)")
     g.add_argument("--output", help="write the results JSON here")
 
 

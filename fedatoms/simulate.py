@@ -54,6 +54,9 @@ class SimulationConfig(FederationConfig):
     classes_per_client: int = 2
     dirichlet_alpha: float = 0.5
     device: str = "auto"
+    # torch threads for every local training and for the server's aggregation, in both transports:
+    # float sums depend on how work is split across threads, so runs match bit for bit only when this does
+    threads: int = 1
     transport: str = "inprocess"
     output: str | None = None
 
@@ -116,6 +119,17 @@ def run_simulation(config: SimulationConfig, progress: ProgressFn | None = None,
     (:func:`fedatoms.simulate_grpc.run_grpc_simulation`, which takes ``grpc_options``);
     both transports give the same record for the same seed.
     """
+    if config.threads < 1:
+        raise ValueError(f"threads must be ≥ 1, got {config.threads}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        return _run(config, progress, grpc_options)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: dict[str, Any]) -> dict[str, Any]:
     if config.transport == "grpc":
         from fedatoms.simulate_grpc import run_grpc_simulation
 

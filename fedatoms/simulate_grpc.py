@@ -99,7 +99,7 @@ def run_grpc_simulation(
 
     try:
         register_all(target, pop, pop.build(), enrollment_secret, root, tls_ca)
-        run_grpc_pool(target, pop, root, workers=workers, tls_ca=tls_ca, poll=poll)
+        run_grpc_pool(target, pop, root, workers=workers, tls_ca=tls_ca, poll=poll, torch_threads=config.threads)
     finally:
         reader.dispose()
         if owned is not None:

@@ -75,6 +75,20 @@ def test_same_seed_same_run_and_other_seed_differs():
     assert any(not torch.equal(a[n], c[n]) for n in a)
 
 
+def test_threads_apply_to_the_run_and_the_callers_setting_comes_back():
+    """Float sums depend on the thread split: both transports train and aggregate with ``threads``."""
+    seen: list[int] = []
+    before = torch.get_num_threads()
+    run_simulation(
+        SimulationConfig(**{**SMALL, "rounds": 1, "threads": 2}),
+        progress=lambda r: seen.append(torch.get_num_threads()),
+    )
+    assert seen == [2]
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="threads must be"):
+        run_simulation(SimulationConfig(**{**SMALL, "threads": 0}))
+
+
 def test_round_records_have_the_documented_fields_and_bytes_add_up():
     results = run_simulation(
         SimulationConfig(
