@@ -752,15 +752,25 @@ class Coordinator:
             if len(op.reported) >= needed:
                 self._close_logged("deadline_quorum")
                 return
-            if not op.extended:
-                deadline = now + timedelta(seconds=self.settings.deadline_seconds)
-                with self._factory.begin() as s:
+            deadline = now + timedelta(seconds=self.settings.deadline_seconds)
+            with self._factory.begin() as s:
+                # A push commits before it re-takes the lock to count itself (group commit): read who
+                # reported from the store, in the transaction that would extend or abandon the round,
+                # so an acknowledged update is never abandoned with a quorum that was in fact met.
+                store.lock_round(s, self._fed_row, r)
+                keys = {cid: key for key, cid in op.ids.items()}
+                op.reported.update(keys[c] for c in store.reported_clients(s, self._fed_row, r) if c in keys)
+                met = len(op.reported) >= needed
+                if not met and not op.extended:
                     store.extend_round(s, self._fed_row, r, deadline)
+                elif not met:
+                    store.abandon_round(s, self._fed_row, r, now=now)
+            if met:
+                self._close_logged("deadline_quorum")
+            elif not op.extended:
                 op.deadline, op.extended = deadline, True
                 log.warning(kv("round_extended", round=r, reported=len(op.reported), needed=needed))
             else:
-                with self._factory.begin() as s:
-                    store.abandon_round(s, self._fed_row, r, now=now)
                 self._open = None
                 self.federation.cohort = ()
                 log.warning(kv("round_abandoned", round=r, reported=len(op.reported), needed=needed))

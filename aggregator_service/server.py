@@ -399,6 +399,9 @@ def configure_logging(level: int = logging.INFO) -> None:
     )
 
 
+LOCK_CHECK_SECONDS = 5.0  # how often a running aggregator confirms it still holds its federation's lock
+
+
 def serve(settings: AggregatorSettings) -> int:
     """Run the aggregator until SIGTERM or SIGINT; returns the process exit code.
 
@@ -407,14 +410,14 @@ def serve(settings: AggregatorSettings) -> int:
     """
     configure_logging()
     try:
-        with store.exclusive_federation(settings.database_url, settings.federation_name):
-            return _serve(settings)
+        with store.exclusive_federation(settings.database_url, settings.federation_name) as lock:
+            return _serve(settings, lock)
     except store.FederationBusy as exc:
         log.error(kv("federation_busy", detail=str(exc)))
         return 1
 
 
-def _serve(settings: AggregatorSettings) -> int:
+def _serve(settings: AggregatorSettings, lock: store.FederationLock) -> int:
     server, port, coordinator = build_server(settings)
     health_servicer: health.HealthServicer = server.health_servicer  # type: ignore[attr-defined]
     ticker = DeadlineTicker(coordinator, health_servicer)
@@ -441,10 +444,18 @@ def _serve(settings: AggregatorSettings) -> int:
             database=settings.database_url,
         )
     )
-    stop.wait()
+    code = 0
+    while not stop.wait(LOCK_CHECK_SECONDS):
+        try:
+            if lock.check():
+                log.warning(kv("federation_lock_retaken", hint="the database session that held it had ended"))
+        except store.FederationBusy as exc:  # another aggregator serves it now: this one must not
+            log.error(kv("federation_lock_lost", detail=str(exc)))
+            code = 1
+            break
     health_servicer.enter_graceful_shutdown()
     ticker.stop()
     server.stop(grace=10).wait()
     coordinator.flush()
     log.info(kv("stopped"))
-    return 0
+    return code

@@ -44,7 +44,7 @@ from .models import (
     UpdateTensor,
     utcnow,
 )
-from .ownership import FederationBusy, exclusive_federation
+from .ownership import FederationBusy, FederationLock, exclusive_federation
 from .repository import (
     ENROLLMENT_PBKDF2_ITERATIONS,
     ROUND_METRIC_FIELDS,
@@ -117,6 +117,7 @@ __all__ = [
     "Federation",
     "FederationBusy",
     "FederationExists",
+    "FederationLock",
     "GlobalTensor",
     "NotFound",
     "NotInCohort",

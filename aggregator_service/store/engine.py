@@ -155,15 +155,36 @@ def alembic_config(url: str | URL | None = None) -> Config:
 def _run_with_connection(url: str | Engine, fn: Any) -> Any:
     engine = url if isinstance(url, Engine) else create_engine_for(url)
     try:
-        with engine.begin() as conn:
-            cfg = alembic_config(url if isinstance(url, str) else engine.url)
-            cfg.attributes["connection"] = conn
-            if conn.dialect.name == "postgresql":
-                conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_KEY})")
-            return fn(cfg, conn)
+        with engine.connect() as conn:
+            sqlite = conn.dialect.name == "sqlite"
+            if sqlite:
+                # SQLite alters a table by copying it and dropping the original: with foreign keys on,
+                # that drop would cascade (ON DELETE CASCADE) and empty every table that refers to it.
+                # SQLite's documented procedure: keys off (outside the transaction), migrate, check.
+                _foreign_keys(conn, on=False)
+            try:
+                with conn.begin():
+                    cfg = alembic_config(url if isinstance(url, str) else engine.url)
+                    cfg.attributes["connection"] = conn
+                    if conn.dialect.name == "postgresql":
+                        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK_KEY})")
+                    result = fn(cfg, conn)
+                    if sqlite:
+                        broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                        if broken:
+                            raise RuntimeError(f"migration left rows whose foreign keys point nowhere: {broken[:5]}")
+                    return result
+            finally:
+                if sqlite:
+                    _foreign_keys(conn, on=True)
     finally:
         if not isinstance(url, Engine):
             engine.dispose()
+
+
+def _foreign_keys(conn: Connection, *, on: bool) -> None:
+    """``PRAGMA foreign_keys`` on the DB-API connection itself: inside a transaction SQLite ignores it."""
+    conn.connection.driver_connection.execute(f"PRAGMA foreign_keys={'ON' if on else 'OFF'}")  # type: ignore[union-attr]
 
 
 def upgrade(url: str | Engine, revision: str = "head") -> None:

@@ -21,12 +21,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import text
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from .engine import create_engine_for
 
-__all__ = ["FederationBusy", "exclusive_federation"]
+__all__ = ["FederationBusy", "FederationLock", "exclusive_federation"]
 
 
 class FederationBusy(RuntimeError):
@@ -38,32 +39,85 @@ _PG_TRY_LOCK = text(
 )
 
 
+class FederationLock:
+    """The held lock; :meth:`check` (the server calls it every few seconds) confirms it is still held."""
+
+    def check(self) -> bool:
+        """Still held? ``False``: yes. ``True``: it was lost and has been taken again. A ``flock`` lives as
+        long as this process, so it is always held."""
+        return False
+
+
+class _AdvisoryLock(FederationLock):
+    def __init__(self, url: str, federation_name: str) -> None:
+        self.url, self.name = url, federation_name
+        self.engine = create_engine_for(url, poolclass=NullPool)
+        self.conn: Connection | None = None
+
+    def take(self) -> bool:
+        conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")  # no transaction left open
+        if conn.execute(_PG_TRY_LOCK, {"name": self.name}).scalar():
+            self.conn = conn
+            return True
+        conn.close()
+        return False
+
+    def check(self) -> bool:
+        """The lock lives as long as its session: if that session died (a database restart, a network
+        cut, ``idle_session_timeout``), take the lock again (``True``), or raise :class:`FederationBusy`
+        when another aggregator took it meanwhile."""
+        try:
+            assert self.conn is not None
+            self.conn.execute(text("SELECT 1"))
+            return False
+        except (DBAPIError, AssertionError):
+            self.release()
+        if not self.take():
+            where = make_url(self.url).render_as_string(hide_password=True)
+            raise FederationBusy(_busy(self.name, where, " (it took the lock after this one's session ended)"))
+        return True
+
+    def release(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.close()  # ends the session, which releases the lock
+            except DBAPIError:
+                pass
+            self.conn = None
+
+
+def _busy(name: str, where: str, holder: str) -> str:
+    return (
+        f"federation {name!r} in {where} is served by another aggregator{holder}: stop it first, or serve "
+        "another federation name or database"
+    )
+
+
 @contextmanager
-def exclusive_federation(url: str, federation_name: str) -> Iterator[None]:
+def exclusive_federation(url: str, federation_name: str) -> Iterator[FederationLock]:
     """Hold the federation's lock inside the block; :class:`FederationBusy` when another process holds it."""
     u = make_url(url)
     if u.get_backend_name() == "sqlite":
         if u.database in (None, "", ":memory:"):  # a memory database is private to its process
-            yield
+            yield FederationLock()
             return
         with _file_lock(Path(u.database), federation_name, url):
-            yield
+            yield FederationLock()
         return
-    engine = create_engine_for(url, poolclass=NullPool)
+    lock = _AdvisoryLock(url, federation_name)
     try:
-        conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")  # no transaction left open
-        try:
-            if not conn.execute(_PG_TRY_LOCK, {"name": federation_name}).scalar():
-                raise FederationBusy(
-                    f"federation {federation_name!r} in {u.render_as_string(hide_password=True)} is served by "
-                    "another aggregator (it holds the federation's advisory lock): stop it first, or serve "
-                    "another federation name or database"
+        if not lock.take():
+            raise FederationBusy(
+                _busy(
+                    federation_name,
+                    u.render_as_string(hide_password=True),
+                    " (it holds the federation's advisory lock)",
                 )
-            yield
-        finally:
-            conn.close()  # ends the session, which releases the lock
+            )
+        yield lock
     finally:
-        engine.dispose()
+        lock.release()
+        lock.engine.dispose()
 
 
 @contextmanager
@@ -77,10 +131,7 @@ def _file_lock(database: Path, federation_name: str, url: str) -> Iterator[None]
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            raise FederationBusy(
-                f"federation {federation_name!r} in {url} is served by another aggregator (pid {holder}, lock "
-                f"{path}): stop it first, or serve another federation name or database"
-            ) from None
+            raise FederationBusy(_busy(federation_name, url, f" (pid {holder}, lock {path})")) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield

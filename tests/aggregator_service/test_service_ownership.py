@@ -103,3 +103,55 @@ def test_the_lock_is_exclusive_within_one_process_too(url: str) -> None:
             pass
     with store.exclusive_federation(url, "default"):  # released on leaving the block
         pass
+
+
+def _kill_lock_session(url: str, federation: str) -> None:
+    """End the PostgreSQL session that holds ``federation``'s advisory lock (a restart or a network cut)."""
+    from sqlalchemy import text
+
+    engine = store.create_engine_for(url)
+    try:
+        with engine.connect() as conn:
+            key = conn.execute(
+                text("SELECT hashtextextended(current_database() || '/' || current_schema() || '/' || :n, 0)"),
+                {"n": federation},
+            ).scalar_one()
+            pids = (
+                conn.execute(
+                    text(
+                        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+                        "AND classid = :hi AND objid = :lo AND objsubid = 1"
+                    ),
+                    {"hi": (key >> 32) & 0xFFFFFFFF, "lo": key & 0xFFFFFFFF},
+                )
+                .scalars()
+                .all()
+            )
+            assert len(pids) == 1, pids
+            conn.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pids[0]})
+            conn.commit()
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """Only PostgreSQL's advisory lock can be lost while its holder lives (a flock cannot)."""
+    base = os.environ.get("FEDATOMS_TEST_POSTGRES_URL")
+    if not base:
+        pytest.skip("FEDATOMS_TEST_POSTGRES_URL not set: PostgreSQL ownership test skipped")
+    with postgres_schema(base) as scoped:
+        yield scoped
+
+
+def test_a_lock_whose_session_ended_is_taken_again_or_given_up(pg_url: str) -> None:
+    url = pg_url
+    with store.exclusive_federation(url, "default") as lock:
+        assert lock.check() is False  # held
+        _kill_lock_session(url, "default")
+        assert lock.check() is True  # its session ended: taken again
+        assert lock.check() is False
+        _kill_lock_session(url, "default")
+        with store.exclusive_federation(url, "default"):  # another aggregator got it first
+            with pytest.raises(store.FederationBusy, match="took the lock after this one's session ended"):
+                lock.check()

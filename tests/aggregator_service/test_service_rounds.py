@@ -66,13 +66,19 @@ def test_partial_fetch_sends_nothing_the_client_holds(start_service, sqlite_url)
     assert [c.name for c in chunks] == ["head.bias"]
 
 
-def test_deadline_closes_with_quorum(start_service, sqlite_url) -> None:
+def _three_in_round_one(start_service, sqlite_url):
+    """Three clients in round 1's cohort, quorum 0.5 (2 needed), 60 s deadline."""
     svc = start_service(sqlite_url, federation=small_federation(min_clients=3), quorum=0.5, deadline_seconds=60)
     data = shards(3, 60)
     clients = [register(svc.stub, t, d) for t, d in zip([1.0, 0.25, 1.0], data, strict=True)]
     fill_keys(sqlite_url, clients)
     for c in clients:
         assert c.task().WhichOneof("kind") == "train"
+    return svc, clients
+
+
+def test_deadline_closes_with_quorum(start_service, sqlite_url) -> None:
+    svc, clients = _three_in_round_one(start_service, sqlite_url)
     plan = svc.coordinator.open_round
     assert plan is not None and len(plan.cohort) == 3
     for c in clients[:2]:  # the third member never reports
@@ -112,3 +118,27 @@ def test_deadline_without_quorum_extends_once_then_abandons(start_service, sqlit
     task = clients[1].task()  # resampled: round 2 opens
     assert task.train.round == 2 and not task.train.continue_unsynced
     assert all(v == 0 for _, v in global_tensors(sqlite_url).values())  # nothing was aggregated
+
+
+def test_deadline_counts_a_push_that_committed_but_has_not_counted_itself(start_service, sqlite_url) -> None:
+    """A push commits (group commit) before it re-takes the coordinator's lock to count itself: a deadline
+    in between must still see it in the store and close with the quorum, never abandon the round with an
+    acknowledged update in it."""
+    svc, clients = _three_in_round_one(start_service, sqlite_url)
+    co = svc.coordinator
+    clients[0].round_trip()
+    op = co._open
+    co.tick(op.deadline + timedelta(seconds=1))  # 1 of the 2 needed: extended
+    assert op.extended
+    commit = co._writes.run
+
+    def commit_then_deadline(write):  # the second deadline fires right after this push's commit
+        out = commit(write)
+        co.tick(op.deadline + timedelta(seconds=1))
+        return out
+
+    co._writes.run = commit_then_deadline
+    _, reply = clients[1].round_trip()
+    assert reply.accepted and not reply.duplicate
+    assert co.open_round is None and co.federation.round == 1  # closed with the quorum, not abandoned
+    assert all(v == 1 for _, v in global_tensors(sqlite_url).values())  # both updates were aggregated

@@ -158,3 +158,36 @@ def test_upgrade_from_0001_numbers_existing_clients_by_registration(db_url):
     finally:
         engine.dispose()
     assert numbers == {"c3": 0, "c2": 1, "c0": 2, "c1": 0}
+
+
+def test_migrating_down_and_up_keeps_the_rows_that_refer_to_clients(db_url):
+    """SQLite alters ``clients`` by copying it; with foreign keys on, dropping the old copy would
+    cascade and empty transfers, evaluations and updates. Migrations run with the keys off."""
+    from datetime import UTC, datetime, timedelta
+
+    store.upgrade(db_url)
+    engine = store.create_engine_for(db_url)
+    try:
+        with store.session_factory(engine).begin() as s:
+            fed = store.create_federation(s, "keep", {}, "enrol-me-0b7d1c9e", iterations=1000)
+            client, _ = store.register_client(s, fed, {}, 1.0, "a")
+            store.open_round(s, fed, 1, [client.id], [], False, datetime.now(UTC) + timedelta(hours=1))
+            store.record_transfer(s, fed, 1, client.id, "down", 10)
+            store.record_evaluation(s, fed, 1, client.id, global_accuracy=0.5, global_loss=1.0, num_samples=3)
+
+        def counts() -> tuple[int, ...]:
+            with engine.connect() as conn:
+                return tuple(
+                    conn.execute(select(func.count()).select_from(t)).scalar_one()
+                    for t in (store.Client.__table__, store.Transfer.__table__, store.Evaluation.__table__)
+                )
+
+        assert counts() == (1, 1, 1)
+        engine.dispose()
+        store.downgrade(db_url, "0001_initial")
+        assert counts() == (1, 1, 1)
+        engine.dispose()
+        store.upgrade(db_url)
+        assert counts() == (1, 1, 1)
+    finally:
+        engine.dispose()
