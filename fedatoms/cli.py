@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
@@ -170,6 +171,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     db = out_dir / "demo.db"
     for stale in (db, db.with_name("demo.db-wal"), db.with_name("demo.db-shm")):
         stale.unlink(missing_ok=True)  # a demo starts a new federation
+    shutil.rmtree(out_dir / "clients", ignore_errors=True)  # with new clients: old tokens died with the database
     url = f"sqlite:///{db}"
     print(
         "fedatoms demo: an aggregator (gRPC, SQLite) and 20 client agents on sklearn digits (2 classes each),\n"

@@ -266,3 +266,14 @@ def test_scaffold_traffic_counts_controls_both_ways():
     fedavg = run_simulation(SimulationConfig(**base))["summary"]
     scaffold = run_simulation(SimulationConfig(**base, strategy="scaffold"))["summary"]
     assert scaffold["bytes_down"] > fedavg["bytes_down"] and scaffold["bytes_up"] > fedavg["bytes_up"]
+
+
+def test_cli_demo_runs_again_in_the_same_output_directory(tmp_path: Path):
+    """A second demo starts a new federation: its clients enroll again instead of presenting dead tokens."""
+    cmd = [sys.executable, "-m", "fedatoms", "demo", "--rounds", "1", "--no-dashboard", "--output-dir", str(tmp_path)]
+    for attempt in (1, 2):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (attempt, proc.stderr[-2000:])
+        assert "global test accuracy" in proc.stdout
+    results = json.loads((tmp_path / "demo-results.json").read_text())
+    assert [r["round"] for r in results["rounds"]] == [1]
