@@ -171,7 +171,6 @@ class Agent:
         self.credentials: Credentials | None = None
         self.spec: ModelSpec | None = None
         self.state: ClientState | None = None
-        self.done_reason: str | None = None
         # the agent holds the global model as of this round's close, or later (in memory: a restart fetches)
         self._model_round: int | None = None
         self._unsaved = False  # an optional save was skipped (see :meth:`_save`)
@@ -253,7 +252,6 @@ class Agent:
         if kind == "done":
             if self._unsaved:
                 self._save()
-            self.done_reason = task.done.reason
             log.info("event=done reason=%s final_round=%d", json.dumps(task.done.reason), task.done.final_round)
             return None
         log.debug("event=wait reason=%s", json.dumps(task.wait.reason))
