@@ -170,7 +170,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         return pb.Task(wait=pb.Task.Wait(retry_after_seconds=task.retry_after, reason=task.reason))
 
     def FetchModel(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        """Streams serialized ``TensorChunk`` messages (bytes, framed once per version: see :meth:`_frames`)."""
+        """Streams serialized ``TensorChunkBatch`` messages, packed from cached entries (:meth:`_entries`)."""
         try:
             client = self._client(context)
             held = {v.name: v.version for v in request.held}
@@ -181,12 +181,18 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 raise
             _handle(context, exc, "FetchModel")
         sent: dict[str, int] = {}
-        try:
+
+        def entries() -> Iterator[tuple[bytes, int, str]]:
             for kind, tensors in ((pb.TENSOR_KIND_MODEL, model), (pb.TENSOR_KIND_SERVER_CONTROL, control)):
                 for name, tensor, version in tensors:
-                    for frame, nbytes in self._frames(client.tier, kind, name, tensor, version):
-                        yield frame
-                        sent[name] = sent.get(name, 0) + nbytes
+                    for entry, nbytes in self._entries(client.tier, kind, name, tensor, version):
+                        yield entry, nbytes, name
+
+        try:
+            for group in wire.packed(entries()):
+                yield group[0][0] if len(group) == 1 else b"".join(entry for entry, _, _ in group)
+                for _, nbytes, name in group:
+                    sent[name] = sent.get(name, 0) + nbytes
         finally:
             total = sum(sent.values())
             try:
@@ -194,56 +200,61 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             except Exception:
                 log.exception(kv("record_download_failed", client=client.id, bytes=total))
 
-    def _frames(self, tier: float, kind: int, name: str, tensor: Tensor, version: int) -> tuple[tuple[bytes, int], ...]:
-        """The tensor encoded (fp16 per the federation), cut into ≤ 1 MiB ``TensorChunk`` messages and
-        serialized, with their payload sizes: built once per version and shared by every fetch.
+    def _entries(
+        self, tier: float, kind: int, name: str, tensor: Tensor, version: int
+    ) -> tuple[tuple[bytes, int], ...]:
+        """The tensor encoded (fp16 per the federation), cut into ≤ 1 MiB chunks and serialized as
+        ``TensorChunkBatch`` entries (:func:`wire.batch_entry`), with their payload sizes: built once
+        per version and shared by every fetch.
 
-        FetchModel's serializer passes ``bytes`` through (:func:`_serialize_response`), so concurrent
-        and repeated fetches send the same frames instead of encoding and serializing ~45 messages of
-        1 MiB each per fetch. The coordinator hands out the same tensor object until its version
-        changes (or a reload rolls it back), so object and version together say the frames are current.
+        FetchModel's serializer passes ``bytes`` through (:func:`wire.serialize`), so concurrent and
+        repeated fetches send the same bytes (a 1 MiB chunk is its own batch, sent without a copy)
+        instead of encoding and serializing the model per fetch. The coordinator hands out the same
+        tensor object until its version changes (or a reload rolls it back), so object and version
+        together say the entries are current.
         """
         key = (tier, kind, name)
         hit = self._wire_cache.get(key)
         if hit is not None and hit[0] is tensor and hit[1] == version:
             return hit[2]
         encoded = codec.encode(tensor, fp16=self.fp16, name=name)
-        frames = tuple(
-            (wire.from_chunk(c, kind).SerializeToString(), len(c.data))
-            for c in codec.iter_chunks(name, encoded, version=version)
+        entries = tuple(
+            (wire.batch_entry(c, kind), len(c.data)) for c in codec.iter_chunks(name, encoded, version=version)
         )
-        self._wire_cache[key] = (tensor, version, frames)  # a race only builds the same frames twice
-        return frames
+        self._wire_cache[key] = (tensor, version, entries)  # a race only builds the same entries twice
+        return entries
 
     @_rpc
-    def PushUpdate(self, request_iterator: Iterator[pb.PushMessage], context: grpc.ServicerContext) -> pb.PushReply:
+    def PushUpdate(
+        self, request_iterator: Iterator[pb.PushMessage | list[wire.Received]], context: grpc.ServicerContext
+    ) -> pb.PushReply:
+        """Messages arrive as :func:`wire.parse_push_message` gives them: chunks parsed in place, else messages."""
         client = self._client(context)
         first = next(request_iterator, None)
-        if first is None or first.WhichOneof("payload") != "header":
+        if not isinstance(first, pb.PushMessage) or first.WhichOneof("payload") != "header":
             raise InvalidArgument("the first PushMessage must carry the PushHeader (round, update_id, num_samples)")
         header = first.header
         model = codec.Reassembler(max_total_bytes=self.push_limit)
         control: codec.Reassembler | None = None
         tensor_bytes: dict[str, int] = {}
         for msg in request_iterator:
-            if msg.WhichOneof("payload") != "chunk":
-                raise InvalidArgument("PushHeader sent twice: only the first PushMessage carries the header")
-            chunk = msg.chunk
-            piece = wire.to_chunk(chunk)  # reading .data copies the payload: read it once
-            tensor_bytes[piece.name] = tensor_bytes.get(piece.name, 0) + len(piece.data)
-            if chunk.kind == pb.TENSOR_KIND_MODEL:
-                if control is not None:
-                    raise InvalidArgument(f"model tensor {chunk.name!r} after control deltas: send model tensors first")
-                model.add(piece)
-            elif chunk.kind == pb.TENSOR_KIND_CONTROL_DELTA:
-                if control is None:
-                    control = codec.Reassembler(max_total_bytes=max(0, self.push_limit - model.bytes_received))
-                control.add(piece)
-            else:
-                raise InvalidArgument(
-                    f"tensor {chunk.name!r}: chunk kind {wire.KIND_NAMES.get(chunk.kind, chunk.kind)} cannot be "
-                    "pushed; use TENSOR_KIND_MODEL or TENSOR_KIND_CONTROL_DELTA"
-                )
+            for kind, piece in self._chunks(msg):
+                tensor_bytes[piece.name] = tensor_bytes.get(piece.name, 0) + len(piece.data)
+                if kind == pb.TENSOR_KIND_MODEL:
+                    if control is not None:
+                        raise InvalidArgument(
+                            f"model tensor {piece.name!r} after control deltas: send model tensors first"
+                        )
+                    model.add(piece)
+                elif kind == pb.TENSOR_KIND_CONTROL_DELTA:
+                    if control is None:
+                        control = codec.Reassembler(max_total_bytes=max(0, self.push_limit - model.bytes_received))
+                    control.add(piece)
+                else:
+                    raise InvalidArgument(
+                        f"tensor {piece.name!r}: chunk kind {wire.KIND_NAMES.get(kind, kind)} cannot be "
+                        "pushed; use TENSOR_KIND_MODEL or TENSOR_KIND_CONTROL_DELTA"
+                    )
         tensors = model.finish(allow_nonfinite=True)  # the coordinator names NaN/Inf per tensor
         deltas = control.finish(allow_nonfinite=True) if control is not None else None
         nbytes = model.bytes_received + (control.bytes_received if control is not None else 0)
@@ -261,6 +272,19 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         return pb.PushReply(
             accepted=result.accepted, duplicate=result.duplicate, round=result.round, message=result.message
         )
+
+    @staticmethod
+    def _chunks(msg: pb.PushMessage | list[wire.Received]) -> list[wire.Received]:
+        if not isinstance(msg, pb.PushMessage):
+            return msg
+        payload = msg.WhichOneof("payload")
+        if payload == "chunk":
+            return [(msg.chunk.kind, wire.to_chunk(msg.chunk))]
+        if payload == "chunks":
+            return [(c.kind, wire.to_chunk(c)) for c in msg.chunks.chunks]
+        if payload == "header":
+            raise InvalidArgument("PushHeader sent twice: only the first PushMessage carries the header")
+        raise InvalidArgument("empty PushMessage: after the header, every message carries chunk or chunks")
 
     @_rpc
     def ReportEvaluation(self, request: pb.EvaluationReport, context: grpc.ServicerContext) -> pb.EvaluationReply:
@@ -299,13 +323,9 @@ def _credentials(settings: AggregatorSettings) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
 
 
-def _serialize_response(message: Any) -> bytes:
-    """Responses are messages, or ``bytes`` already serialized once and shared (FetchModel's cached frames)."""
-    return message if isinstance(message, bytes) else message.SerializeToString()
-
-
 def _add_servicer(servicer: AggregatorServicer, server: grpc.Server) -> None:
-    """What ``add_AggregatorServicer_to_server`` does, but with :func:`_serialize_response` for every method.
+    """What ``add_AggregatorServicer_to_server`` does, but with :func:`wire.serialize` for every method
+    and PushUpdate's chunks parsed in place.
 
     Built from the service descriptor, so every RPC the proto declares is served (a test checks it).
     """
@@ -316,11 +336,12 @@ def _add_servicer(servicer: AggregatorServicer, server: grpc.Server) -> None:
         (True, False): grpc.stream_unary_rpc_method_handler,
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
+    in_place = {"PushUpdate": wire.parse_push_message}  # megabytes of chunk data are not copied into messages
     handlers = {
         m.name: kinds[(m.client_streaming, m.server_streaming)](
             getattr(servicer, m.name),
-            request_deserializer=getattr(pb, m.input_type.name).FromString,
-            response_serializer=_serialize_response,
+            request_deserializer=in_place.get(m.name, getattr(pb, m.input_type.name).FromString),
+            response_serializer=wire.serialize,
         )
         for m in service.methods
     }

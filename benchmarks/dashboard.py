@@ -250,7 +250,7 @@ def bench(name: str, url: str, args: argparse.Namespace) -> list[tuple[str, ...]
     t = time.perf_counter()
     fill(url, args.rounds, args.clients)
     print(f"  filled in {time.perf_counter() - t:.1f} s; starting the dashboard", flush=True)
-    rows = []
+    rows: list[tuple[str, ...]] = []
     with serve(url) as base:
         for path in args.paths:
             lat, wall = asyncio.run(_load(base, path, args.requests, args.concurrency))
@@ -269,7 +269,7 @@ def main() -> None:
     p.add_argument("--postgres-url", default=os.environ.get("FEDATOMS_TEST_POSTGRES_URL"))
     p.add_argument("--paths", nargs="+", default=["/api/v1/rounds", "/api/v1/rounds?order=desc&limit=20", "/metrics"])
     args = p.parse_args()
-    rows = []
+    rows: list[tuple[str, ...]] = []
     with tempfile.TemporaryDirectory() as tmp:
         rows += bench("sqlite", f"sqlite:///{Path(tmp) / 'bench.db'}", args)
     if args.postgres_url:

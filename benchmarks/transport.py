@@ -1,19 +1,20 @@
 """Transport throughput of the aggregator on loopback, as ratios measured in one run (not a test).
 
 What is compared, all in one process on 127.0.0.1, payload = the resnet18 model's tensors as
-they travel (float32, ≈45 MB, cut into ≤ 1 MiB chunks):
+they travel (float32, ≈45 MB, cut into ≤ 1 MiB chunks packed into ≤ 1 MiB batches):
 
 - **raw copy**: the same payload bytes, from one contiguous buffer, through a plain TCP socket
   in 1 MiB ``sendall`` writes into a fresh receive buffer (``recv_into``), until the receiver
   acknowledges. This moves every byte once and is the reference (1.0×).
-- **FetchModel**: the call until the client holds the decoded arrays (``wire.to_chunk`` +
-  ``codec.Reassembler`` + ``finish()``, as ``client_agent`` does). The stream's status follows
-  the server's durable download accounting (one small commit), so that is included.
+- **FetchModel**: the call until the client holds the decoded arrays (``wire.fetch_model``, whose
+  batches' chunks are parsed in place, + ``codec.Reassembler`` + ``finish()``, as ``client_agent``
+  does).
 - **PushUpdate, transport only**: the call until the server has received the stream,
   reassembled it and validated it (measured by wrapping ``check_tensors`` in this script).
 - **PushUpdate, end to end**: the same call until the client has the acknowledgement, which is
   sent only after the update is durably committed (SQLite WAL, ``synchronous=FULL``).
-  The push messages are built before the clock starts (client-side encoding is printed apart).
+  The push's batches are built before the clock starts (``wire.push_messages``; client-side
+  encoding is printed apart).
 
 The three transfers run interleaved ``--reps`` times (each push from another cohort member, so
 every push really stores); ratios are per repetition, and the table shows their median (and
@@ -127,6 +128,7 @@ def main() -> None:
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CLIENT_OPTIONS)
     stub = pb_grpc.AggregatorStub(channel)
+    fetch_model, push_update = wire.fetch_model(channel), wire.push_update(channel)
     regs = [
         stub.Register(
             pb.RegisterRequest(profile=pb.CapabilityProfile(num_samples=10), enrollment_secret="fedatoms-demo")
@@ -139,31 +141,32 @@ def main() -> None:
 
     def fetch() -> dict[str, Any]:
         asm = codec.Reassembler()
-        for msg in stub.FetchModel(pb.FetchRequest(), metadata=auths[0]):
-            asm.add(wire.to_chunk(msg))
+        for batch in fetch_model(pb.FetchRequest(), metadata=auths[0]):
+            for _, chunk in batch:
+                asm.add(chunk)
         return asm.finish()
 
     tensors = fetch()  # warm-up: the server encodes and frames each tensor once per version
     due = list(tasks[0].train.due_tensors)
-    t0 = time.perf_counter()
-    chunk_msgs = [pb.PushMessage(chunk=m) for name in due for m in wire.tensor_messages(name, tensors[name])]
+    t0 = time.perf_counter()  # the push's batches as client_agent builds them, minus the header
+    batches = list(wire.push_messages(pb.PushHeader(), [(n, tensors[n], 0, pb.TENSOR_KIND_MODEL) for n in due]))[1:]
     encode_s = time.perf_counter() - t0
     payload = b"".join(codec.encode(tensors[name]).data for name in due)
     nbytes = len(payload)
     print(
-        f"resnet18: {len(due)} tensors, {nbytes / 1e6:.1f} MB float32 in {len(chunk_msgs)} chunks of ≤ 1 MiB; "
+        f"resnet18: {len(due)} tensors, {nbytes / 1e6:.1f} MB float32 in {len(batches)} batches of ≤ 1 MiB; "
         f"client-side encode+frame {encode_s * 1e3:.0f} ms (not in the push timings)",
         flush=True,
     )
 
     def push(i: int) -> tuple[float, float]:
-        def messages() -> Iterator[pb.PushMessage]:
+        def messages() -> Iterator[pb.PushMessage | bytes]:
             header = pb.PushHeader(round=tasks[i].train.round, update_id=uuid.uuid4().hex, num_samples=10)
             yield pb.PushMessage(header=header)
-            yield from chunk_msgs
+            yield from batches
 
         t0 = time.perf_counter()
-        reply = stub.PushUpdate(messages(), metadata=auths[i])
+        reply = push_update(messages(), metadata=auths[i])
         end = time.perf_counter()
         assert reply.accepted and not reply.duplicate, reply
         return clock.validated_at - t0, end - t0
@@ -209,6 +212,7 @@ def main() -> None:
     # -- GetTask with many registered clients
     with coordinator._factory.begin() as s:  # enrol directly: PBKDF2 per Register is not measured here
         fed_row = store.get_federation(s, "default")
+        assert fed_row is not None
         tokens = [store.register_client(s, fed_row, {}, 1.0)[1] for _ in range(args.clients)]
     latencies: list[float] = []
 

@@ -14,7 +14,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -140,6 +140,8 @@ class AggregatorClient:
         else:
             self.channel = grpc.insecure_channel(target, options=options)
         self.stub = pb_grpc.AggregatorStub(self.channel)
+        self._fetch_model = wire.fetch_model(self.channel)  # chunks parsed in place, not as messages
+        self._push_update = wire.push_update(self.channel)  # takes the batches push_messages serializes
         self.target = target
         self.token = token
         self.backoff = backoff or Backoff()
@@ -235,8 +237,9 @@ class AggregatorClient:
 
         def once() -> Fetched:
             model, control = codec.Reassembler(), codec.Reassembler()
-            for msg in self.stub.FetchModel(request, metadata=self._auth, timeout=self.rpc_timeout):
-                (control if msg.kind == pb.TENSOR_KIND_SERVER_CONTROL else model).add(wire.to_chunk(msg))
+            for batch in self._fetch_model(request, metadata=self._auth, timeout=self.rpc_timeout):
+                for kind, chunk in batch:
+                    (control if kind == pb.TENSOR_KIND_SERVER_CONTROL else model).add(chunk)
             versions = model.versions()
             arrays = model.finish(expected)
             controls = control.finish()
@@ -261,23 +264,21 @@ class AggregatorClient:
     ) -> pb.PushReply:
         """Stream one update; a retry rebuilds the stream with the same ``update_id`` (stored once)."""
 
-        def messages() -> Iterator[pb.PushMessage]:
-            header = pb.PushHeader(
-                round=round_,
-                update_id=update_id,
-                num_samples=num_samples,
-                metrics={k: float(v) for k, v in metrics.items()},
-            )
-            yield pb.PushMessage(header=header)
-            for name, tensor in tensors.items():
-                for msg in wire.tensor_messages(name, tensor, kind=pb.TENSOR_KIND_MODEL, fp16=fp16):
-                    yield pb.PushMessage(chunk=msg)
-            for name, tensor in (control_delta or {}).items():
-                for msg in wire.tensor_messages(name, tensor, round_, pb.TENSOR_KIND_CONTROL_DELTA, fp16=fp16):
-                    yield pb.PushMessage(chunk=msg)
-
+        header = pb.PushHeader(
+            round=round_,
+            update_id=update_id,
+            num_samples=num_samples,
+            metrics={k: float(v) for k, v in metrics.items()},
+        )
+        tensors_ = [(name, tensor, 0, pb.TENSOR_KIND_MODEL) for name, tensor in tensors.items()]
+        tensors_ += [
+            (name, tensor, round_, pb.TENSOR_KIND_CONTROL_DELTA) for name, tensor in (control_delta or {}).items()
+        ]
         return self._call(
-            "PushUpdate", lambda: self.stub.PushUpdate(messages(), metadata=self._auth, timeout=self.rpc_timeout)
+            "PushUpdate",
+            lambda: self._push_update(
+                wire.push_messages(header, tensors_, fp16=fp16), metadata=self._auth, timeout=self.rpc_timeout
+            ),
         )
 
     def report(

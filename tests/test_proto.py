@@ -143,6 +143,8 @@ def representative_messages() -> list[Message]:
             )
         ),
         pb.PushMessage(chunk=chunk),
+        pb.TensorChunkBatch(chunks=[chunk, chunk]),
+        pb.PushMessage(chunks=pb.TensorChunkBatch(chunks=[chunk])),
         pb.PushHeader(round=12, update_id="u-1", num_samples=1, metrics={}),
         pb.PushReply(accepted=True, duplicate=True, round=12, message="stored 14 tensors, 3.2 MiB"),
         pb.EvaluationReport(
@@ -241,7 +243,7 @@ def test_push_message_oneof() -> None:
     assert not msg.HasField("header")
     assert roundtrip(pb.PushMessage(chunk=pb.TensorChunk())).WhichOneof("payload") == "chunk"
     assert pb.PushMessage().WhichOneof("payload") is None
-    assert [f.name for f in pb.PushMessage.DESCRIPTOR.oneofs_by_name["payload"].fields] == ["header", "chunk"]
+    assert [f.name for f in pb.PushMessage.DESCRIPTOR.oneofs_by_name["payload"].fields] == ["header", "chunk", "chunks"]
 
 
 # ----------------------------------------------------------------------------- service
@@ -251,7 +253,7 @@ EXPECTED_RPCS = {
     "Register": ("RegisterRequest", "RegisterReply", False, False),
     "Heartbeat": ("HeartbeatRequest", "HeartbeatReply", False, False),
     "GetTask": ("GetTaskRequest", "Task", False, False),
-    "FetchModel": ("FetchRequest", "TensorChunk", False, True),
+    "FetchModel": ("FetchRequest", "TensorChunkBatch", False, True),
     "PushUpdate": ("PushMessage", "PushReply", True, False),
     "ReportEvaluation": ("EvaluationReport", "EvaluationReply", False, False),
 }
@@ -312,7 +314,7 @@ class _EchoAggregator(pb_grpc.AggregatorServicer):
         for name, array in self.tensors.items():
             if held.get(name, -1) < 1:
                 for chunk in codec.iter_chunks(name, codec.encode(array), version=1):
-                    yield from_chunk(chunk)
+                    yield pb.TensorChunkBatch(chunks=[from_chunk(chunk)])
 
     def PushUpdate(self, request_iterator, context):
         self._authorized(context)
@@ -348,7 +350,7 @@ def test_streams_over_real_grpc_with_default_limits(loopback) -> None:
         list(stub.FetchModel(pb.FetchRequest()))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
-    chunks = list(stub.FetchModel(pb.FetchRequest(), metadata=auth, timeout=30))
+    chunks = [c for batch in stub.FetchModel(pb.FetchRequest(), metadata=auth, timeout=30) for c in batch.chunks]
     assert [c.name for c in chunks] == ["big"] * 3 + ["small"]
     assert not list(
         stub.FetchModel(pb.FetchRequest(held=[pb.TensorVersion(name=n, version=1) for n in tensors]), metadata=auth)

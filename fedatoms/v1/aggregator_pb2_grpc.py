@@ -53,7 +53,7 @@ class AggregatorStub:
         self.FetchModel = channel.unary_stream(
                 '/fedatoms.v1.Aggregator/FetchModel',
                 request_serializer=fedatoms_dot_v1_dot_aggregator__pb2.FetchRequest.SerializeToString,
-                response_deserializer=fedatoms_dot_v1_dot_aggregator__pb2.TensorChunk.FromString,
+                response_deserializer=fedatoms_dot_v1_dot_aggregator__pb2.TensorChunkBatch.FromString,
                 _registered_method=True)
         self.PushUpdate = channel.stream_unary(
                 '/fedatoms.v1.Aggregator/PushUpdate',
@@ -100,7 +100,8 @@ class AggregatorServicer:
 
     def FetchModel(self, request, context):
         """Streams the global tensors of the client's tier whose version is newer than the
-        version the client says it holds (and, on request, SCAFFOLD's server control).
+        version the client says it holds (and, on request, SCAFFOLD's server control), their
+        chunks packed into batches of at most 1 MiB of data.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -108,7 +109,7 @@ class AggregatorServicer:
 
     def PushUpdate(self, request_iterator, context):
         """Streams one round's update: a PushHeader first, then the chunks of the due tensors
-        (and SCAFFOLD control deltas). Acknowledged only after the update is stored durably;
+        (and SCAFFOLD control deltas), one per message or packed into batches. Acknowledged only after the update is stored durably;
         a retry with the same update_id is acknowledged again with duplicate = true.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -144,7 +145,7 @@ def add_AggregatorServicer_to_server(servicer, server):
             'FetchModel': grpc.unary_stream_rpc_method_handler(
                     servicer.FetchModel,
                     request_deserializer=fedatoms_dot_v1_dot_aggregator__pb2.FetchRequest.FromString,
-                    response_serializer=fedatoms_dot_v1_dot_aggregator__pb2.TensorChunk.SerializeToString,
+                    response_serializer=fedatoms_dot_v1_dot_aggregator__pb2.TensorChunkBatch.SerializeToString,
             ),
             'PushUpdate': grpc.stream_unary_rpc_method_handler(
                     servicer.PushUpdate,
@@ -265,7 +266,7 @@ class Aggregator:
             target,
             '/fedatoms.v1.Aggregator/FetchModel',
             fedatoms_dot_v1_dot_aggregator__pb2.FetchRequest.SerializeToString,
-            fedatoms_dot_v1_dot_aggregator__pb2.TensorChunk.FromString,
+            fedatoms_dot_v1_dot_aggregator__pb2.TensorChunkBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,6 +66,7 @@ class Client:
     spec: ModelSpec
     data: ArrayDataset
     key: str = ""  # the round engine's key: client_key(registration number)
+    batched: bool = False  # push as client_agent does (wire.push_messages), not one chunk per message
     state: ClientState = field(init=False)
     pushed: dict[int, ClientPush] = field(default_factory=dict)
 
@@ -83,9 +84,10 @@ class Client:
         """Fetch what is newer than held; returns the payload bytes received."""
         held = [pb.TensorVersion(name=n, version=v) for n, v in self.state.versions.items()]
         model = codec.Reassembler()
-        for msg in self.stub.FetchModel(pb.FetchRequest(held=held), metadata=self.auth):
-            assert msg.kind == pb.TENSOR_KIND_MODEL
-            model.add(wire.to_chunk(msg))
+        for batch in self.stub.FetchModel(pb.FetchRequest(held=held), metadata=self.auth):
+            for msg in batch.chunks:
+                assert msg.kind == pb.TENSOR_KIND_MODEL
+                model.add(wire.to_chunk(msg))
         versions = model.versions()
         arrays = model.finish()
         self.state.receive({n: (torch.from_numpy(a), versions[n]) for n, a in arrays.items()})
@@ -108,10 +110,14 @@ class Client:
         metrics: Mapping[str, float] | None = None,
         timeout: float = 60,
     ) -> pb.PushReply:
+        update_id = update_id or uuid.uuid4().hex
+        if self.batched:
+            header = pb.PushHeader(round=round_, update_id=update_id, num_samples=num_samples, metrics=metrics or {})
+            frames = wire.push_messages(header, [(n, t, 0, pb.TENSOR_KIND_MODEL) for n, t in tensors.items()])
+            messages = (pb.PushMessage.FromString(f) for f in frames)  # the stub serializes them back as they were
+            return self.stub.PushUpdate(messages, metadata=self.auth, timeout=timeout)
         return self.stub.PushUpdate(
-            push_messages(round_, tensors, update_id or uuid.uuid4().hex, num_samples, metrics or {}),
-            metadata=self.auth,
-            timeout=timeout,
+            push_messages(round_, tensors, update_id, num_samples, metrics or {}), metadata=self.auth, timeout=timeout
         )
 
     def round_trip(self) -> tuple[int, pb.PushReply]:

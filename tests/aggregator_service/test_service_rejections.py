@@ -12,7 +12,9 @@ import pytest
 from grpc_helpers import Client, register, shards, snapshot
 
 from aggregator_service import store
+from fedatoms import wire
 from fedatoms.v1 import aggregator_pb2 as pb
+from fedcore import codec
 
 
 @pytest.fixture
@@ -98,9 +100,11 @@ def test_invalid_tensors_are_refused_and_nothing_is_stored(round_one) -> None:
         ("int dtype", "dtype int64", variant(head__bias=np.zeros(10, "i8"))),
         ("missing due tensor", "missing due tensor", variant(head__weight=None)),
     ]
-    for label, fragment, tensors in cases:
-        details = _refused(url, inv, fragment, lambda t=tensors: a.push(1, t))
-        assert "'" in details, f"{label}: the message names no tensor: {details}"
+    for batched in (False, True):  # one chunk per message, and packed in batches as client_agent sends them
+        a.batched = batched
+        for label, fragment, tensors in cases:
+            details = _refused(url, inv, fragment, lambda t=tensors: a.push(1, t))
+            assert "'" in details, f"{label}: the message names no tensor: {details}"
     # float16 payloads are accepted and upcast
     half = {n: t.astype("f2") for n, t in good.items()}
     reply = a.push(1, half)
@@ -127,7 +131,20 @@ def test_round_and_cohort_preconditions(round_one) -> None:
 def test_oversized_push_is_resource_exhausted(round_one) -> None:
     svc, a, _, good = round_one
     huge = {**good, "head.weight": np.zeros((svc.settings.push_limit // 4 + 1,), "f4")}
-    _refused(svc.url, grpc.StatusCode.RESOURCE_EXHAUSTED, "too large", lambda: a.push(1, huge))
+    for batched in (False, True):
+        a.batched = batched
+        _refused(svc.url, grpc.StatusCode.RESOURCE_EXHAUSTED, "too large", lambda: a.push(1, huge))
+    # one chunk over the wire's 1 MiB rule, though within gRPC's message limit
+    big = np.zeros(codec.CHUNK_BYTES // 4 + 1, "f4")
+    chunks = codec.iter_chunks("head.weight", codec.encode(big), chunk_bytes=codec.CHUNK_BYTES + 4)
+    header = pb.PushHeader(round=1, update_id=uuid.uuid4().hex, num_samples=10)
+    messages = [pb.PushMessage(header=header)] + [pb.PushMessage(chunk=wire.from_chunk(c)) for c in chunks]
+    _refused(
+        svc.url,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "exceeds the 1048576-byte chunk limit",
+        lambda: a.stub.PushUpdate(iter(messages), metadata=a.auth),
+    )
 
 
 def test_duplicate_update_id_is_acknowledged_and_counted_once(round_one) -> None:

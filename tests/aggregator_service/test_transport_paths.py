@@ -1,4 +1,4 @@
-"""The fast paths of the transport: handler registration, shared FetchModel frames, write-behind last-seen."""
+"""The fast paths of the transport: handler registration, shared FetchModel entries, write-behind last-seen."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from aggregator_service import store
 from aggregator_service.config import AggregatorSettings
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.errors import Unauthenticated
-from aggregator_service.server import AggregatorServicer, _add_servicer, _serialize_response
+from aggregator_service.server import AggregatorServicer, _add_servicer
 from fedatoms import wire
 from fedatoms.v1 import aggregator_pb2 as pb
 from fedcore import codec
@@ -69,33 +69,35 @@ def test_every_rpc_of_the_proto_is_registered_with_its_streaming_kind(coordinato
     for m in methods:
         h: grpc.RpcMethodHandler = server.registered[m.name]
         assert (h.request_streaming, h.response_streaming) == (m.client_streaming, m.server_streaming)
-        assert h.response_serializer is _serialize_response
+        assert h.response_serializer is wire.serialize
+        in_place = wire.parse_push_message if m.name == "PushUpdate" else getattr(pb, m.input_type.name).FromString
+        assert h.request_deserializer == in_place
 
 
-def test_serialize_response_passes_bytes_through() -> None:
+def test_serialize_passes_bytes_through() -> None:
     msg = pb.PushReply(accepted=True, round=3)
-    assert _serialize_response(msg) == msg.SerializeToString()
-    assert _serialize_response(b"\x08\x01") == b"\x08\x01"
+    assert wire.serialize(msg) == msg.SerializeToString()
+    assert wire.serialize(b"\x08\x01") == b"\x08\x01"
 
 
-def test_fetch_frames_are_built_once_per_version(coordinator) -> None:
-    """Repeated fetches reuse the serialized chunks; a new version rebuilds them."""
+def test_fetch_entries_are_built_once_per_version(coordinator) -> None:
+    """Repeated fetches reuse the serialized batch entries; a new version rebuilds them."""
     c, _ = coordinator
     servicer = AggregatorServicer(c, c.settings)
     tier = 1.0
     client = _client(c)
     name, tensor, version = c.fetch(client, {})[0][0]
-    frames = servicer._frames(tier, pb.TENSOR_KIND_MODEL, name, tensor, version)
+    entries = servicer._entries(tier, pb.TENSOR_KIND_MODEL, name, tensor, version)
     again = c.fetch(client, {})[0][0]  # the coordinator hands out the same tensor until its version changes
-    assert again[1] is tensor and servicer._frames(tier, pb.TENSOR_KIND_MODEL, *again) is frames
+    assert again[1] is tensor and servicer._entries(tier, pb.TENSOR_KIND_MODEL, *again) is entries
     asm = codec.Reassembler()
-    for frame, nbytes in frames:
-        msg = pb.TensorChunk.FromString(frame)
+    for entry, nbytes in entries:
+        (msg,) = pb.TensorChunkBatch.FromString(entry).chunks  # an entry is a batch of one chunk
         assert msg.kind == pb.TENSOR_KIND_MODEL and len(msg.data) == nbytes
         asm.add(wire.to_chunk(msg))
     assert asm.versions() == {name: version}
-    rebuilt = servicer._frames(tier, pb.TENSOR_KIND_MODEL, name, tensor + 1, version + 1)
-    assert rebuilt is not frames and pb.TensorChunk.FromString(rebuilt[0][0]).version == version + 1
+    rebuilt = servicer._entries(tier, pb.TENSOR_KIND_MODEL, name, tensor + 1, version + 1)
+    assert rebuilt is not entries and pb.TensorChunkBatch.FromString(rebuilt[0][0]).chunks[0].version == version + 1
 
 
 def _client(c: Coordinator) -> Any:

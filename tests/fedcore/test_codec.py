@@ -503,3 +503,15 @@ def test_decode_without_copy_still_copies_read_only_or_converted_data() -> None:
     half = encode(a, fp16=True)
     up = decode("x", "float16", (12,), bytearray(half.data), expected_dtype="float32", copy=False)
     assert up.dtype == np.float32 and up.flags.writeable
+
+
+def test_a_chunk_over_one_mib_is_too_large_before_it_is_buffered() -> None:
+    a = np.zeros(CHUNK_BYTES // 4 + 1, np.float32)
+    (chunk,) = iter_chunks("w", encode(a), chunk_bytes=CHUNK_BYTES + 4)
+    r = Reassembler()
+    with pytest.raises(CodecError, match="chunk of 1048580 bytes exceeds the 1048576-byte chunk limit") as err:
+        r.add(chunk)
+    assert err.value.kind == "too_large" and r.bytes_received == 0
+    for c in iter_chunks("w", encode(a)):  # the same tensor in 1 MiB chunks is fine
+        r.add(c)
+    np.testing.assert_array_equal(r.finish()["w"], a)
