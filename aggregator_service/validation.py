@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from aggregator_service.errors import InvalidArgument
+from fedcore.codec import all_finite
 from fedcore.spec import ModelSpec, TensorSpec
 
 __all__ = ["check_header", "check_tensors"]
@@ -57,10 +58,9 @@ def _check_one(what: str, name: str, array: Any, spec: TensorSpec, tier: str) ->
         raise InvalidArgument(
             f"{what} {name!r}: shape {_fmt(tuple(arr.shape))} does not match {_fmt(spec.shape)} of tier {tier}"
         )
-    if arr.dtype.kind == "f":
+    if not all_finite(arr):
         bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
-        if bad:
-            raise InvalidArgument(f"{what} {name!r}: {bad} NaN or Inf values; only finite values are accepted")
+        raise InvalidArgument(f"{what} {name!r}: {bad} NaN or Inf values; only finite values are accepted")
     return np.ascontiguousarray(arr.astype(spec.dtype, copy=False))
 
 

@@ -18,6 +18,7 @@ from fedcore.codec import (
     CodecError,
     EncodedTensor,
     Reassembler,
+    all_finite,
     decode,
     encode,
     encoded_size,
@@ -515,3 +516,16 @@ def test_a_chunk_over_one_mib_is_too_large_before_it_is_buffered() -> None:
     for c in iter_chunks("w", encode(a)):  # the same tensor in 1 MiB chunks is fine
         r.add(c)
     np.testing.assert_array_equal(r.finish()["w"], a)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_all_finite_is_exact_even_when_a_sum_overflows(dtype: str) -> None:
+    big = float(np.finfo(dtype).max)
+    assert all_finite(np.array([big, big], dtype))  # the sum overflows; the values are finite
+    assert all_finite(np.zeros(0, dtype)) and all_finite(np.arange(5))
+    for bad in (np.nan, np.inf, -np.inf):
+        a = np.ones(1000, dtype)
+        a[517] = bad
+        assert not all_finite(a)
+    mixed = np.array([np.inf, -np.inf], dtype)  # sums to NaN
+    assert not all_finite(mixed)

@@ -13,7 +13,7 @@ import numpy as np
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from fedcore.codec import DTYPES, CodecError, EncodedTensor, decode, encode
+from fedcore.codec import DTYPES, CodecError, EncodedTensor, all_finite, decode, encode
 
 from ..models import Client, Federation, utcnow
 
@@ -110,7 +110,7 @@ def _encode(name: str, array: Any) -> EncodedTensor:
     enc = encode(array, name=name)
     if enc.dtype.startswith("float") and enc.data:
         view = np.frombuffer(enc.data, dtype=DTYPES[enc.dtype])
-        if not np.isfinite(view).all():
+        if not all_finite(view):
             raise CodecError(name, "contains NaN or Inf values", "nonfinite")
     return enc
 

@@ -238,7 +238,7 @@ def store_update(
         return found
     _check_open_member(session, fed, round, client_id)
 
-    from fedcore.codec import DTYPES, CodecError
+    from fedcore.codec import DTYPES, CodecError, all_finite
 
     wire_names = {dt: wire for wire, dt in DTYPES.items()}
 
@@ -246,7 +246,7 @@ def store_update(
         """dtype, shape, bytes: a C-contiguous little-endian array is bound in place (no 45 MB ``tobytes`` copy)."""
         wire = wire_names.get(array.dtype) if isinstance(array, np.ndarray) and array.size else None
         if wire is not None and array.ndim and array.flags.c_contiguous:
-            if array.dtype.kind == "f" and not np.isfinite(array).all():
+            if not all_finite(array):
                 raise CodecError(name, "contains NaN or Inf values", "nonfinite")
             return wire, tuple(int(d) for d in array.shape), memoryview(array).cast("B")
         enc = _encode(name, array)
