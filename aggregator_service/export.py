@@ -1,4 +1,4 @@
-"""Operator actions on a federation's database that need no running server: export, revoke."""
+"""Operator actions on a federation's database that need no running server: export, revoke, rebind."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from aggregator_service import store
 from fedcore.layers import reconstruct_filter
 
-__all__ = ["export_global_model", "revoke"]
+__all__ = ["export_global_model", "rebind_certificate", "revoke"]
 
 
 def _federation(session: Session, name: str, url: str) -> store.Federation:
@@ -68,3 +68,25 @@ def revoke(database_url: str, client_id: str) -> None:
                 raise ValueError(f"no client {client_id!r} in {database_url}")
     finally:
         engine.dispose()
+
+
+def rebind_certificate(database_url: str, client_id: str, cert: Path) -> str:
+    """Bind a client's token to a renewed client certificate (mutual TLS); returns its SHA-256.
+
+    From then on the token is honoured with ``cert`` only: the old certificate is refused with
+    PERMISSION_DENIED, as any other. Works while the server runs (every call reads the binding).
+    """
+    try:
+        digest = store.certificate_sha256(Path(cert).read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read client certificate {cert}: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{cert} is not a PEM certificate ({exc})") from exc
+    engine = store.create_engine_for(database_url)
+    try:
+        with store.session_factory(engine).begin() as s:
+            if not store.bind_certificate(s, client_id, digest):
+                raise ValueError(f"no client {client_id!r} in {database_url}")
+    finally:
+        engine.dispose()
+    return digest

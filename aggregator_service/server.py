@@ -10,10 +10,8 @@ SIGTERM/SIGINT with a background thread that enforces round deadlines.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import signal
-import ssl
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -111,8 +109,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         pem = pems[0]
         digest = self._cert_digests.get(pem)
         if digest is None:
-            der = ssl.PEM_cert_to_DER_cert(pem.decode("ascii"))
-            digest = hashlib.sha256(der).hexdigest()
+            digest = store.certificate_sha256(pem)
             if len(self._cert_digests) > 4096:  # a bound on memory, not a cache policy: rebuilt on demand
                 self._cert_digests.clear()
             self._cert_digests[pem] = digest

@@ -279,6 +279,14 @@ def cmd_aggregator_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_aggregator_rebind(args: argparse.Namespace) -> int:
+    from aggregator_service.export import rebind_certificate
+
+    digest = rebind_certificate(_database_url(args), args.client, args.client_cert)
+    print(f"client {args.client} bound to certificate sha256 {digest}: other certificates get PERMISSION_DENIED")
+    return 0
+
+
 def cmd_aggregator_export(args: argparse.Namespace) -> int:
     from aggregator_service.export import export_global_model
 
@@ -313,6 +321,15 @@ def _add_aggregator_commands(sub: Any) -> None:
     revoke.add_argument("--config", type=Path, help="the server's TOML file (for its database_url)")
     revoke.add_argument("--database-url", help=db_help)
     revoke.set_defaults(func=cmd_aggregator_revoke)
+
+    rebind = agg_sub.add_parser(
+        "rebind", help="mutual TLS: bind a client's token to its renewed certificate (works while the server runs)"
+    )
+    rebind.add_argument("client", help="client id, as shown in the server log and the dashboard")
+    rebind.add_argument("--client-cert", type=Path, required=True, help="the client's new certificate (PEM)")
+    rebind.add_argument("--config", type=Path, help="the server's TOML file (for its database_url)")
+    rebind.add_argument("--database-url", help=db_help)
+    rebind.set_defaults(func=cmd_aggregator_rebind)
 
     export = agg_sub.add_parser("export", help="write the global model of the last closed round as safetensors")
     export.add_argument("--round", type=int, required=True, help="the last closed round (the model it produced)")

@@ -14,6 +14,7 @@ from grpc_helpers import SECRET, register, shards
 from sqlalchemy import func, select
 
 from aggregator_service import store
+from fedatoms.cli import main
 from fedatoms.v1 import aggregator_pb2 as pb
 from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
 
@@ -141,6 +142,60 @@ def test_mutual_tls_binds_the_token_to_the_registering_certificate(start_service
             row = s.get(store.Client, reply.client_id)
             assert row is not None
             assert (row.last_seen, s.scalar(select(func.count()).select_from(store.Client))) == before
+
+        # the device's certificate is renewed: the operator rebinds the token, with the server running
+        assert (
+            main(
+                [
+                    "aggregator",
+                    "rebind",
+                    reply.client_id,
+                    "--client-cert",
+                    str(pki / "client2.pem"),
+                    "--database-url",
+                    sqlite_url,
+                ]
+            )
+            == 0
+        )
+        for name, ok in (("client2", True), ("client", False)):
+            with grpc.secure_channel(target, creds(name)) as channel:
+                call = lambda: pb_grpc.AggregatorStub(channel).Heartbeat(  # noqa: E731
+                    pb.HeartbeatRequest(), metadata=auth, timeout=10
+                )
+                if ok:
+                    assert call().server_time_unix > 0
+                else:
+                    with pytest.raises(grpc.RpcError) as info:
+                        call()
+                    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        engine.dispose()
+
+
+def test_rebind_refuses_what_it_cannot_bind(sqlite_url, pki: Path, tmp_path: Path, capsys) -> None:
+    """Unknown client, a file that is no certificate, a revoked client: exit 2, a clear message, nothing changed."""
+    store.upgrade(sqlite_url)
+    engine = store.create_engine_for(sqlite_url)
+    try:
+        with store.session_factory(engine).begin() as s:
+            fed = store.create_federation(s, "default", {}, "s3cret", iterations=1_000)
+            row, _ = store.register_client(s, fed, {}, 1.0, cert_sha256="a" * 64)
+            client_id = row.id
+        garbage = tmp_path / "not.pem"
+        garbage.write_text("hello")
+        url = ["--database-url", sqlite_url]
+        cert = ["--client-cert", str(pki / "client2.pem")]
+        assert main(["aggregator", "rebind", "no-such-client", *cert, *url]) == 2
+        assert "no client 'no-such-client'" in capsys.readouterr().err
+        assert main(["aggregator", "rebind", client_id, "--client-cert", str(garbage), *url]) == 2
+        assert "is not a PEM certificate" in capsys.readouterr().err
+        assert main(["aggregator", "revoke", client_id, *url]) == 0
+        assert main(["aggregator", "rebind", client_id, *cert, *url]) == 2
+        assert "is revoked" in capsys.readouterr().err
+        with store.session_factory(engine)() as s:
+            row = s.get(store.Client, client_id)
+            assert row is not None and row.cert_sha256 == "a" * 64
     finally:
         engine.dispose()
 

@@ -35,6 +35,8 @@ from .closing import (
 from .enrollment import (
     ENROLLMENT_PBKDF2_ITERATIONS,
     authenticate,
+    bind_certificate,
+    certificate_sha256,
     check_enrollment_secret,
     count_clients,
     create_federation,
@@ -95,6 +97,8 @@ __all__ = [
     "UpdateConflict",
     "abandon_round",
     "authenticate",
+    "bind_certificate",
+    "certificate_sha256",
     "check_enrollment_secret",
     "close_round",
     "count_clients",

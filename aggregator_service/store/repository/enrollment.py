@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import ssl
 import uuid
 from collections.abc import Mapping
 from datetime import datetime
@@ -143,6 +144,12 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def certificate_sha256(pem: str | bytes) -> str:
+    """SHA-256 (hex) of a PEM certificate's DER bytes: how a token is bound to a client certificate."""
+    text = pem.decode("ascii") if isinstance(pem, bytes) else pem
+    return hashlib.sha256(ssl.PEM_cert_to_DER_cert(text)).hexdigest()
+
+
 def register_client(
     session: Session,
     fed: Federation,
@@ -208,6 +215,18 @@ def revoke_client(session: Session, client_id: str, *, now: datetime | None = No
     if client.revoked_at is None:
         client.revoked_at = _now(now)
         session.flush()
+    return True
+
+
+def bind_certificate(session: Session, client_id: str, cert_sha256: str) -> bool:
+    """Bind a client's token to another certificate (a renewed one); ``False`` when no such client."""
+    client = session.get(Client, client_id)
+    if client is None:
+        return False
+    if client.revoked_at is not None:
+        raise ValueError(f"client {client_id} is revoked: enroll the device again instead")
+    client.cert_sha256 = cert_sha256
+    session.flush()
     return True
 
 
