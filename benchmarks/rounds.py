@@ -10,7 +10,8 @@ in the same process run, one transport after the other:
 - **gRPC**: the same with ``transport="grpc"`` — a real aggregator (gRPC server on a
   loopback port, SQLite database in a temporary directory) in this process, the N virtual
   clients registered, then run as real :class:`client_agent.agent.Agent` s in ``--workers``
-  spawned worker processes (one torch thread each), polling GetTask every 0.05 s.
+  spawned worker processes (one torch thread each), as ``fedatoms simulate --transport grpc``
+  runs them without ``--state-dir`` (a temporary state root: no client state written).
 
 Both do the same work per round: N local trainings, one fold, one close with the server's
 evaluation on the digits test split, N client evaluations of the new model.
@@ -103,20 +104,25 @@ def run_grpc(clients: int, rounds: int, seed: int, workers: int) -> tuple[list[f
 
     with tempfile.TemporaryDirectory(prefix="fedatoms-bench-rounds-") as tmp:
         url = f"sqlite:///{Path(tmp) / 'agg.db'}"
+        # no --state-dir, as a researcher runs it: the clients' state root is a new temporary directory
+        # (so they write no state), made in ``tmp`` so it goes with it
+        saved_tempdir, tempfile.tempdir = tempfile.tempdir, tmp
         t0 = time.perf_counter()
         wall0 = time.time()
 
         def progress(record: dict[str, Any]) -> None:
             say(f"    gRPC round {record['round']} seen: +{time.perf_counter() - t0:6.2f} s")
 
-        run_simulation(
-            make_config("grpc", clients, rounds, seed),
-            progress=progress,
-            database_url=url,
-            workers=workers,
-            state_dir=str(Path(tmp) / "state"),
-            announce=lambda text: None,
-        )
+        try:
+            run_simulation(
+                make_config("grpc", clients, rounds, seed),
+                progress=progress,
+                database_url=url,
+                workers=workers,
+                announce=lambda text: None,
+            )
+        finally:
+            tempfile.tempdir = saved_tempdir
         total = time.perf_counter() - t0
         engine = store.create_engine_for(url)
         try:

@@ -14,6 +14,7 @@ to the state directory before the next network call, which gives the restart rul
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -56,12 +57,16 @@ class RoundWatch:
     """One heartbeat stream for many agents in a process: they wait on it instead of each polling the server.
 
     A thread calls ``Heartbeat`` every ``interval`` seconds with ``client`` (any enrolled identity)
-    and wakes the waiters whenever the reply changes.
+    and wakes the waiters whenever the reply changes. While an agent of the process is still
+    training (:meth:`training`), the open round cannot close before its push (short of a
+    deadline), so the thread asks only every ``training_interval`` seconds, and again as soon as
+    the last one is done: a third of the heartbeats, with no later notice of a close.
     """
 
-    def __init__(self, client: AggregatorClient, interval: float = 0.02) -> None:
-        self.client, self.interval = client, interval
+    def __init__(self, client: AggregatorClient, interval: float = 0.02, training_interval: float = 0.25) -> None:
+        self.client, self.interval, self.training_interval = client, interval, training_interval
         self._latest: pb.HeartbeatReply | None = None
+        self._training = 0  # agents of this process between a Train task and its push
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="round-watch", daemon=True)
@@ -72,7 +77,22 @@ class RoundWatch:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._changed:
+            self._changed.notify_all()
         self._thread.join(timeout=15)
+
+    @contextlib.contextmanager
+    def training(self) -> Iterator[None]:
+        """Held by an agent from its Train task until its push is answered."""
+        with self._changed:
+            self._training += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._training -= 1
+                if not self._training:
+                    self._changed.notify_all()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -89,6 +109,9 @@ class RoundWatch:
                 ):
                     self._latest = beat
                     self._changed.notify_all()
+                if self._training:
+                    self._changed.wait_for(lambda: not self._training or self._stop.is_set(), self.training_interval)
+                    continue
             self._stop.wait(self.interval)
 
     def wait(self, ready: Callable[[pb.HeartbeatReply], bool], timeout: float) -> pb.HeartbeatReply:
@@ -150,6 +173,7 @@ class Agent:
         eval_poll_seconds: float = 1.0,
         compute_lock: threading.Lock | None = None,
         durable: bool = True,
+        keep_state: bool = True,
         round_watch: RoundWatch | None = None,
     ) -> None:
         self.client = client
@@ -167,6 +191,8 @@ class Agent:
         # fsync, and no save that only spares a repeat after a crash (a re-push is acknowledged as a
         # duplicate, a re-report is ignored); the update and personal state are still saved after training
         self.durable = durable
+        # False: the state is never written (a simulation in a temporary directory nobody can resume from)
+        self.keep_state = keep_state
         self.round_watch = round_watch  # shared by the agents of one process: one heartbeat stream, not one each
         self.credentials: Credentials | None = None
         self.spec: ModelSpec | None = None
@@ -212,6 +238,8 @@ class Agent:
     def _save(self, optional: bool = False) -> None:
         """Write the state; an ``optional`` save (one that only spares a repeat) waits when not durable."""
         assert self.state is not None
+        if not self.keep_state:
+            return
         if optional and not self.durable:
             self._unsaved = True
             return
@@ -258,6 +286,10 @@ class Agent:
         return max(0.0, task.wait.retry_after_seconds)
 
     def _train(self, train: pb.Task.Train) -> None:
+        with self.round_watch.training() if self.round_watch is not None else contextlib.nullcontext():
+            self._train_and_push(train)
+
+    def _train_and_push(self, train: pb.Task.Train) -> None:
         s, spec = self.state, self.spec
         assert s is not None and spec is not None
         task = task_from_proto(train)

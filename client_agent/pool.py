@@ -118,6 +118,7 @@ class WorkerJob:
     tls_ca: str | None = None
     torch_threads: int = 1
     eval_poll_seconds: float = 0.02  # how often one watcher per process asks whether a round closed
+    keep_state: bool = True  # False: the state root is a temporary directory, never resumed from
 
 
 def state_dir(root: str | Path, index: int) -> Path:
@@ -131,6 +132,7 @@ def register_all(
     enrollment_secret: str,
     state_root: str | Path,
     tls_ca: str | None = None,
+    keep_state: bool = True,
 ) -> list[str]:
     """Register the virtual clients one by one, in index order, so their registration order is their index.
 
@@ -153,6 +155,7 @@ def register_all(
                 profile=profile,
                 enrollment_secret=enrollment_secret,
                 name=client_key(i),
+                keep_state=keep_state,
             )
             ids.append(agent.ensure_registered().client_id)
     return ids
@@ -181,6 +184,7 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
             eval_poll_seconds=job.eval_poll_seconds,
             compute_lock=compute,
             durable=False,
+            keep_state=job.keep_state,
             round_watch=watch,
         )
         agent.ensure_registered()
@@ -226,17 +230,26 @@ def run_grpc_pool(
     poll: Callable[[], None] | None = None,
     eval_poll_seconds: float = 0.02,
     torch_threads: int = 1,
+    keep_state: bool = True,
 ) -> dict[str, int]:
     """Run every virtual client through ``workers`` processes until the federation is done.
 
     The clients must be registered already (:func:`register_all`). ``poll`` is called about
-    twice a second while the workers run (progress reporting).
+    twice a second while the workers run (progress reporting). ``keep_state=False``: the agents
+    write no state (``state_root`` is a temporary directory nobody can resume from).
     """
     n = population.num_clients
     workers = max(1, min(workers, n))
     jobs = [
         WorkerJob(
-            target, population, tuple(range(w, n, workers)), str(state_root), tls_ca, torch_threads, eval_poll_seconds
+            target,
+            population,
+            tuple(range(w, n, workers)),
+            str(state_root),
+            tls_ca,
+            torch_threads,
+            eval_poll_seconds,
+            keep_state,
         )
         for w in range(workers)
     ]

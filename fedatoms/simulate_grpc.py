@@ -98,8 +98,18 @@ def run_grpc_simulation(
                 progress(record)
 
     try:
-        register_all(target, pop, pop.build(), enrollment_secret, root, tls_ca)
-        run_grpc_pool(target, pop, root, workers=workers, tls_ca=tls_ca, poll=poll, torch_threads=config.threads)
+        keep_state = state_dir is not None  # a temporary root is never resumed from: spare the writes
+        register_all(target, pop, pop.build(), enrollment_secret, root, tls_ca, keep_state)
+        run_grpc_pool(
+            target,
+            pop,
+            root,
+            workers=workers,
+            tls_ca=tls_ca,
+            poll=poll,
+            torch_threads=config.threads,
+            keep_state=keep_state,
+        )
     finally:
         reader.dispose()
         if owned is not None:

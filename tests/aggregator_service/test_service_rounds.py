@@ -12,8 +12,10 @@ from aggregator_service.rounds import RoundPlan
 from fedatoms.v1 import aggregator_pb2 as pb
 
 
-def _happy_path(start_service, url: str) -> None:
+def _happy_path(start_service, url: str, decoded_budget: int | None = None) -> None:
     svc = start_service(url)
+    if decoded_budget is not None:
+        svc.coordinator.DECODED_BUDGET_BYTES = decoded_budget
     data = shards(2)
     clients = [register(svc.stub, 1.0, data[0]), register(svc.stub, 0.25, data[1])]
     fill_keys(url, clients)
@@ -30,8 +32,12 @@ def _happy_path(start_service, url: str) -> None:
         assert c.fetch() > 0
         push = c.train(tasks[c.client_id])
         replies.append(c.push(1, push.tensors, num_samples=push.num_samples, metrics=push.metrics))
+        if len(replies) == 1:
+            kept_after_first = len(svc.coordinator._decoded)
     assert all(r.accepted and not r.duplicate and r.round == 1 for r in replies)
     assert svc.coordinator.open_round is None  # the whole cohort reported: round 1 closed
+    # the first update was kept decoded for the close, unless the budget has no room
+    assert kept_after_first == (0 if decoded_budget == 0 else 1)
 
     offline = offline_round(svc.settings.federation, plan, clients, num_clients_total=2)
     served = global_tensors(url)
@@ -45,8 +51,10 @@ def _happy_path(start_service, url: str) -> None:
     assert tuple(low.state.global_tensors["conv2.coefficients_u"].shape) == (64, 16)
 
 
-def test_round_over_grpc_equals_in_process_engine_sqlite(start_service, sqlite_url) -> None:
-    _happy_path(start_service, sqlite_url)
+@pytest.mark.parametrize("decoded_budget", [None, 0], ids=["kept-decoded", "read-back"])
+def test_round_over_grpc_equals_in_process_engine_sqlite(start_service, sqlite_url, decoded_budget) -> None:
+    """Whether the close folds the arrays the pushes kept or reads every update back, the result is the engine's."""
+    _happy_path(start_service, sqlite_url, decoded_budget)
 
 
 def test_round_over_grpc_equals_in_process_engine_postgres(start_service, postgres_url) -> None:
