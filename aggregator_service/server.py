@@ -145,7 +145,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     @_rpc
     def GetTask(self, request: pb.GetTaskRequest, context: grpc.ServicerContext) -> pb.Task:
-        task = self.coordinator.get_task(self._client(context))
+        client = self._client(context)
+        if request.HasField("report"):  # an evaluation sent along: recorded first, or the call fails
+            self._record_evaluation(client, request.report)
+        task = self.coordinator.get_task(client)
         if isinstance(task, Train):
             strategy = dict(task.strategy_config)
             if task.local:  # no proto field yet: tensors that never leave the client travel in the strategy JSON
@@ -285,16 +288,17 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     @_rpc
     def ReportEvaluation(self, request: pb.EvaluationReport, context: grpc.ServicerContext) -> pb.EvaluationReply:
-        client = self._client(context)
-        recorded = self.coordinator.report_evaluation(
+        return pb.EvaluationReply(recorded=self._record_evaluation(self._client(context), request))
+
+    def _record_evaluation(self, client: ClientInfo, report: pb.EvaluationReport) -> bool:
+        return self.coordinator.report_evaluation(
             client,
-            request.round,
-            request.global_accuracy,
-            request.global_loss,
-            request.personalized_accuracy if request.HasField("personalized_accuracy") else None,
-            request.num_samples,
+            report.round,
+            report.global_accuracy,
+            report.global_loss,
+            report.personalized_accuracy if report.HasField("personalized_accuracy") else None,
+            report.num_samples,
         )
-        return pb.EvaluationReply(recorded=recorded)
 
 
 def _json(value: Any) -> str:

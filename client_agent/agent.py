@@ -200,6 +200,8 @@ class Agent:
         # the agent holds the global model as of this round's close, or later (in memory: a restart fetches)
         self._model_round: int | None = None
         self._unsaved = False  # an optional save was skipped (see :meth:`_save`)
+        # an evaluation not yet reported: it travels with the next GetTask (one call fewer per round)
+        self._report: pb.EvaluationReport | None = None
 
     # ------------------------------------------------------------------ identity
 
@@ -272,7 +274,19 @@ class Agent:
                 self._save()
                 return 0.0
             return self.eval_poll_seconds
-        task = self.client.get_task()
+        try:
+            task = self.client.get_task(self._report)
+        except grpc.RpcError as exc:
+            code = exc.code()  # type: ignore[attr-defined]
+            if self._report is None or code not in (
+                grpc.StatusCode.FAILED_PRECONDITION,
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ):
+                raise
+            log.warning("event=report_refused round=%d detail=%s", self._report.round, json.dumps(exc.details()))  # type: ignore[attr-defined]
+            self._report = None  # the report was the problem: ask again without it
+            return 0.0
+        self._report = None
         kind = task.WhichOneof("kind")
         if kind == "train":
             self._train(task.train)
@@ -367,12 +381,9 @@ class Agent:
         self._model_round = closed
         with self.compute_lock:
             ev = evaluate_client(s, spec, self.test_data)
-        try:
-            self.client.report(closed, ev.global_accuracy, ev.global_loss, ev.personalized_accuracy, ev.num_samples)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # type: ignore[attr-defined]
-                raise
-            log.warning("event=report_refused round=%d detail=%s", closed, json.dumps(exc.details()))  # type: ignore[attr-defined]
+        self._report = self.client.evaluation(
+            closed, ev.global_accuracy, ev.global_loss, ev.personalized_accuracy, ev.num_samples
+        )  # sent with the next GetTask, which follows at once
         log.info(
             "event=evaluated round=%d accuracy=%.4f personalized=%s",
             closed,

@@ -216,8 +216,10 @@ class AggregatorClient:
         call = lambda: self.stub.Heartbeat(pb.HeartbeatRequest(), metadata=self._auth, timeout=10)  # noqa: E731
         return self._call("Heartbeat", call) if retry else call()
 
-    def get_task(self) -> pb.Task:
-        return self._call("GetTask", lambda: self.stub.GetTask(pb.GetTaskRequest(), metadata=self._auth, timeout=30))
+    def get_task(self, report: pb.EvaluationReport | None = None) -> pb.Task:
+        """The next task; ``report`` (:meth:`evaluation`) is recorded with it, sparing a ReportEvaluation call."""
+        request = pb.GetTaskRequest(report=report) if report is not None else pb.GetTaskRequest()
+        return self._call("GetTask", lambda: self.stub.GetTask(request, metadata=self._auth, timeout=30))
 
     def fetch(
         self,
@@ -281,6 +283,17 @@ class AggregatorClient:
             ),
         )
 
+    @staticmethod
+    def evaluation(
+        round_: int, global_accuracy: float, global_loss: float, personalized_accuracy: float | None, num_samples: int
+    ) -> pb.EvaluationReport:
+        report = pb.EvaluationReport(
+            round=round_, global_accuracy=global_accuracy, global_loss=global_loss, num_samples=num_samples
+        )
+        if personalized_accuracy is not None:
+            report.personalized_accuracy = personalized_accuracy
+        return report
+
     def report(
         self,
         round_: int,
@@ -289,11 +302,7 @@ class AggregatorClient:
         personalized_accuracy: float | None,
         num_samples: int,
     ) -> pb.EvaluationReply:
-        request = pb.EvaluationReport(
-            round=round_, global_accuracy=global_accuracy, global_loss=global_loss, num_samples=num_samples
-        )
-        if personalized_accuracy is not None:
-            request.personalized_accuracy = personalized_accuracy
+        request = self.evaluation(round_, global_accuracy, global_loss, personalized_accuracy, num_samples)
         return self._call(
             "ReportEvaluation", lambda: self.stub.ReportEvaluation(request, metadata=self._auth, timeout=30)
         )

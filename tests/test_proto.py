@@ -125,6 +125,7 @@ def representative_messages() -> list[Message]:
         pb.HeartbeatRequest(),
         pb.HeartbeatReply(server_time_unix=1_900_000_000.25, current_round=12),
         pb.GetTaskRequest(),
+        pb.GetTaskRequest(report=pb.EvaluationReport(round=11, global_accuracy=0.6, global_loss=1.2, num_samples=300)),
         pb.Task(wait=pb.Task.Wait(retry_after_seconds=2.5, reason="not selected for round 12")),
         pb.Task.Wait(retry_after_seconds=0.0, reason=""),
         pb.Task(train=train),

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66\x65\x64\x61toms/v1/aggregator.proto\x12\x0b\x66\x65\x64\x61toms.v1\"\x99\x02\n\x11\x43\x61pabilityProfile\x12\x13\n\x0b\x64\x65vice_name\x18\x01 \x01(\t\x12\x19\n\x0c\x63ompute_macs\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x19\n\x0cmemory_bytes\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12\x17\n\nuplink_bps\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0c\x64ownlink_bps\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x13\n\x0bnum_samples\x18\x06 \x01(\x03\x12\x1b\n\x0epreferred_tier\x18\x07 \x01(\x01H\x04\x88\x01\x01\x42\x0f\n\r_compute_macsB\x0f\n\r_memory_bytesB\r\n\x0b_uplink_bpsB\x0f\n\r_downlink_bpsB\x11\n\x0f_preferred_tier\"\x87\x01\n\x0fRegisterRequest\x12/\n\x07profile\x18\x01 \x01(\x0b\x32\x1e.fedatoms.v1.CapabilityProfile\x12\x19\n\x11\x65nrollment_secret\x18\x02 \x01(\t\x12\x18\n\x0b\x63lient_name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_client_name\"\x90\x01\n\rRegisterReply\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0c\n\x04tier\x18\x03 \x01(\x01\x12\x17\n\x0fmodel_spec_json\x18\x04 \x01(\t\x12\x12\n\nfederation\x18\x05 \x01(\t\x12\"\n\x1aheartbeat_interval_seconds\x18\x06 \x01(\x01\"\x12\n\x10HeartbeatRequest\"\\\n\x0eHeartbeatReply\x12\x18\n\x10server_time_unix\x18\x01 \x01(\x01\x12\x15\n\rcurrent_round\x18\x02 \x01(\x03\x12\x19\n\x11last_closed_round\x18\x03 \x01(\x03\"\x10\n\x0eGetTaskRequest\"\xa9\x03\n\x04Task\x12&\n\x04wait\x18\x01 \x01(\x0b\x32\x16.fedatoms.v1.Task.WaitH\x00\x12(\n\x05train\x18\x02 \x01(\x0b\x32\x17.fedatoms.v1.Task.TrainH\x00\x12&\n\x04\x64one\x18\x03 \x01(\x0b\x32\x16.fedatoms.v1.Task.DoneH\x00\x1a\x33\n\x04Wait\x12\x1b\n\x13retry_after_seconds\x18\x01 \x01(\x01\x12\x0e\n\x06reason\x18\x02 \x01(\t\x1a\xbc\x01\n\x05Train\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x13\n\x0b\x64ue_tensors\x18\x02 \x03(\t\x12\x19\n\x11train_config_json\x18\x03 \x01(\t\x12\x1c\n\x14strategy_config_json\x18\x04 \x01(\t\x12\x19\n\x11\x63ontinue_unsynced\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x15\n\rdeadline_unix\x18\x07 \x01(\x01\x12\x16\n\x0epersonal_atoms\x18\x08 \x01(\x08\x1a+\n\x04\x44one\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x13\n\x0b\x66inal_round\x18\x02 \x01(\x03\x42\x06\n\x04kind\"\xa4\x01\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x03\x12%\n\x04kind\x18\x08 \x01(\x0e\x32\x17.fedatoms.v1.TensorKind\"<\n\x10TensorChunkBatch\x12(\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x18.fedatoms.v1.TensorChunk\".\n\rTensorVersion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x96\x01\n\x0c\x46\x65tchRequest\x12(\n\x04held\x18\x01 \x03(\x0b\x32\x1a.fedatoms.v1.TensorVersion\x12#\n\x16include_server_control\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\x05round\x18\x03 \x01(\x03H\x01\x88\x01\x01\x42\x19\n\x17_include_server_controlB\x08\n\x06_round\"\x9f\x01\n\x0bPushMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fedatoms.v1.PushHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.fedatoms.v1.TensorChunkH\x00\x12/\n\x06\x63hunks\x18\x03 \x01(\x0b\x32\x1d.fedatoms.v1.TensorChunkBatchH\x00\x42\t\n\x07payload\"\xaa\x01\n\nPushHeader\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x11\n\tupdate_id\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x03\x12\x35\n\x07metrics\x18\x04 \x03(\x0b\x32$.fedatoms.v1.PushHeader.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"P\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x0f\n\x07message\x18\x04 \x01(\t\"\xa2\x01\n\x10\x45valuationReport\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x17\n\x0fglobal_accuracy\x18\x02 \x01(\x01\x12\x13\n\x0bglobal_loss\x18\x03 \x01(\x01\x12\"\n\x15personalized_accuracy\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x03\x42\x18\n\x16_personalized_accuracy\"#\n\x0f\x45valuationReply\x12\x10\n\x08recorded\x18\x01 \x01(\x08*\x7f\n\nTensorKind\x12\x1b\n\x17TENSOR_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11TENSOR_KIND_MODEL\x10\x01\x12\x1e\n\x1aTENSOR_KIND_SERVER_CONTROL\x10\x02\x12\x1d\n\x19TENSOR_KIND_CONTROL_DELTA\x10\x03\x32\xb3\x03\n\nAggregator\x12\x44\n\x08Register\x12\x1c.fedatoms.v1.RegisterRequest\x1a\x1a.fedatoms.v1.RegisterReply\x12G\n\tHeartbeat\x12\x1d.fedatoms.v1.HeartbeatRequest\x1a\x1b.fedatoms.v1.HeartbeatReply\x12\x39\n\x07GetTask\x12\x1b.fedatoms.v1.GetTaskRequest\x1a\x11.fedatoms.v1.Task\x12H\n\nFetchModel\x12\x19.fedatoms.v1.FetchRequest\x1a\x1d.fedatoms.v1.TensorChunkBatch0\x01\x12@\n\nPushUpdate\x12\x18.fedatoms.v1.PushMessage\x1a\x16.fedatoms.v1.PushReply(\x01\x12O\n\x10ReportEvaluation\x12\x1d.fedatoms.v1.EvaluationReport\x1a\x1c.fedatoms.v1.EvaluationReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66\x65\x64\x61toms/v1/aggregator.proto\x12\x0b\x66\x65\x64\x61toms.v1\"\x99\x02\n\x11\x43\x61pabilityProfile\x12\x13\n\x0b\x64\x65vice_name\x18\x01 \x01(\t\x12\x19\n\x0c\x63ompute_macs\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x19\n\x0cmemory_bytes\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12\x17\n\nuplink_bps\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0c\x64ownlink_bps\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x13\n\x0bnum_samples\x18\x06 \x01(\x03\x12\x1b\n\x0epreferred_tier\x18\x07 \x01(\x01H\x04\x88\x01\x01\x42\x0f\n\r_compute_macsB\x0f\n\r_memory_bytesB\r\n\x0b_uplink_bpsB\x0f\n\r_downlink_bpsB\x11\n\x0f_preferred_tier\"\x87\x01\n\x0fRegisterRequest\x12/\n\x07profile\x18\x01 \x01(\x0b\x32\x1e.fedatoms.v1.CapabilityProfile\x12\x19\n\x11\x65nrollment_secret\x18\x02 \x01(\t\x12\x18\n\x0b\x63lient_name\x18\x03 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_client_name\"\x90\x01\n\rRegisterReply\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0c\n\x04tier\x18\x03 \x01(\x01\x12\x17\n\x0fmodel_spec_json\x18\x04 \x01(\t\x12\x12\n\nfederation\x18\x05 \x01(\t\x12\"\n\x1aheartbeat_interval_seconds\x18\x06 \x01(\x01\"\x12\n\x10HeartbeatRequest\"\\\n\x0eHeartbeatReply\x12\x18\n\x10server_time_unix\x18\x01 \x01(\x01\x12\x15\n\rcurrent_round\x18\x02 \x01(\x03\x12\x19\n\x11last_closed_round\x18\x03 \x01(\x03\"?\n\x0eGetTaskRequest\x12-\n\x06report\x18\x01 \x01(\x0b\x32\x1d.fedatoms.v1.EvaluationReport\"\xa9\x03\n\x04Task\x12&\n\x04wait\x18\x01 \x01(\x0b\x32\x16.fedatoms.v1.Task.WaitH\x00\x12(\n\x05train\x18\x02 \x01(\x0b\x32\x17.fedatoms.v1.Task.TrainH\x00\x12&\n\x04\x64one\x18\x03 \x01(\x0b\x32\x16.fedatoms.v1.Task.DoneH\x00\x1a\x33\n\x04Wait\x12\x1b\n\x13retry_after_seconds\x18\x01 \x01(\x01\x12\x0e\n\x06reason\x18\x02 \x01(\t\x1a\xbc\x01\n\x05Train\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x13\n\x0b\x64ue_tensors\x18\x02 \x03(\t\x12\x19\n\x11train_config_json\x18\x03 \x01(\t\x12\x1c\n\x14strategy_config_json\x18\x04 \x01(\t\x12\x19\n\x11\x63ontinue_unsynced\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x15\n\rdeadline_unix\x18\x07 \x01(\x01\x12\x16\n\x0epersonal_atoms\x18\x08 \x01(\x08\x1a+\n\x04\x44one\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x13\n\x0b\x66inal_round\x18\x02 \x01(\x03\x42\x06\n\x04kind\"\xa4\x01\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x03\x12%\n\x04kind\x18\x08 \x01(\x0e\x32\x17.fedatoms.v1.TensorKind\"<\n\x10TensorChunkBatch\x12(\n\x06\x63hunks\x18\x01 \x03(\x0b\x32\x18.fedatoms.v1.TensorChunk\".\n\rTensorVersion\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x96\x01\n\x0c\x46\x65tchRequest\x12(\n\x04held\x18\x01 \x03(\x0b\x32\x1a.fedatoms.v1.TensorVersion\x12#\n\x16include_server_control\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\x05round\x18\x03 \x01(\x03H\x01\x88\x01\x01\x42\x19\n\x17_include_server_controlB\x08\n\x06_round\"\x9f\x01\n\x0bPushMessage\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.fedatoms.v1.PushHeaderH\x00\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x18.fedatoms.v1.TensorChunkH\x00\x12/\n\x06\x63hunks\x18\x03 \x01(\x0b\x32\x1d.fedatoms.v1.TensorChunkBatchH\x00\x42\t\n\x07payload\"\xaa\x01\n\nPushHeader\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x11\n\tupdate_id\x18\x02 \x01(\t\x12\x13\n\x0bnum_samples\x18\x03 \x01(\x03\x12\x35\n\x07metrics\x18\x04 \x03(\x0b\x32$.fedatoms.v1.PushHeader.MetricsEntry\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"P\n\tPushReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\tduplicate\x18\x02 \x01(\x08\x12\r\n\x05round\x18\x03 \x01(\x03\x12\x0f\n\x07message\x18\x04 \x01(\t\"\xa2\x01\n\x10\x45valuationReport\x12\r\n\x05round\x18\x01 \x01(\x03\x12\x17\n\x0fglobal_accuracy\x18\x02 \x01(\x01\x12\x13\n\x0bglobal_loss\x18\x03 \x01(\x01\x12\"\n\x15personalized_accuracy\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x0bnum_samples\x18\x05 \x01(\x03\x42\x18\n\x16_personalized_accuracy\"#\n\x0f\x45valuationReply\x12\x10\n\x08recorded\x18\x01 \x01(\x08*\x7f\n\nTensorKind\x12\x1b\n\x17TENSOR_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11TENSOR_KIND_MODEL\x10\x01\x12\x1e\n\x1aTENSOR_KIND_SERVER_CONTROL\x10\x02\x12\x1d\n\x19TENSOR_KIND_CONTROL_DELTA\x10\x03\x32\xb3\x03\n\nAggregator\x12\x44\n\x08Register\x12\x1c.fedatoms.v1.RegisterRequest\x1a\x1a.fedatoms.v1.RegisterReply\x12G\n\tHeartbeat\x12\x1d.fedatoms.v1.HeartbeatRequest\x1a\x1b.fedatoms.v1.HeartbeatReply\x12\x39\n\x07GetTask\x12\x1b.fedatoms.v1.GetTaskRequest\x1a\x11.fedatoms.v1.Task\x12H\n\nFetchModel\x12\x19.fedatoms.v1.FetchRequest\x1a\x1d.fedatoms.v1.TensorChunkBatch0\x01\x12@\n\nPushUpdate\x12\x18.fedatoms.v1.PushMessage\x1a\x16.fedatoms.v1.PushReply(\x01\x12O\n\x10ReportEvaluation\x12\x1d.fedatoms.v1.EvaluationReport\x1a\x1c.fedatoms.v1.EvaluationReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PUSHHEADER_METRICSENTRY']._loaded_options = None
   _globals['_PUSHHEADER_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_TENSORKIND']._serialized_start=2223
-  _globals['_TENSORKIND']._serialized_end=2350
+  _globals['_TENSORKIND']._serialized_start=2270
+  _globals['_TENSORKIND']._serialized_end=2397
   _globals['_CAPABILITYPROFILE']._serialized_start=46
   _globals['_CAPABILITYPROFILE']._serialized_end=327
   _globals['_REGISTERREQUEST']._serialized_start=330
@@ -46,35 +46,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREPLY']._serialized_start=634
   _globals['_HEARTBEATREPLY']._serialized_end=726
   _globals['_GETTASKREQUEST']._serialized_start=728
-  _globals['_GETTASKREQUEST']._serialized_end=744
-  _globals['_TASK']._serialized_start=747
-  _globals['_TASK']._serialized_end=1172
-  _globals['_TASK_WAIT']._serialized_start=877
-  _globals['_TASK_WAIT']._serialized_end=928
-  _globals['_TASK_TRAIN']._serialized_start=931
-  _globals['_TASK_TRAIN']._serialized_end=1119
-  _globals['_TASK_DONE']._serialized_start=1121
-  _globals['_TASK_DONE']._serialized_end=1164
-  _globals['_TENSORCHUNK']._serialized_start=1175
-  _globals['_TENSORCHUNK']._serialized_end=1339
-  _globals['_TENSORCHUNKBATCH']._serialized_start=1341
-  _globals['_TENSORCHUNKBATCH']._serialized_end=1401
-  _globals['_TENSORVERSION']._serialized_start=1403
-  _globals['_TENSORVERSION']._serialized_end=1449
-  _globals['_FETCHREQUEST']._serialized_start=1452
-  _globals['_FETCHREQUEST']._serialized_end=1602
-  _globals['_PUSHMESSAGE']._serialized_start=1605
-  _globals['_PUSHMESSAGE']._serialized_end=1764
-  _globals['_PUSHHEADER']._serialized_start=1767
-  _globals['_PUSHHEADER']._serialized_end=1937
-  _globals['_PUSHHEADER_METRICSENTRY']._serialized_start=1891
-  _globals['_PUSHHEADER_METRICSENTRY']._serialized_end=1937
-  _globals['_PUSHREPLY']._serialized_start=1939
-  _globals['_PUSHREPLY']._serialized_end=2019
-  _globals['_EVALUATIONREPORT']._serialized_start=2022
-  _globals['_EVALUATIONREPORT']._serialized_end=2184
-  _globals['_EVALUATIONREPLY']._serialized_start=2186
-  _globals['_EVALUATIONREPLY']._serialized_end=2221
-  _globals['_AGGREGATOR']._serialized_start=2353
-  _globals['_AGGREGATOR']._serialized_end=2788
+  _globals['_GETTASKREQUEST']._serialized_end=791
+  _globals['_TASK']._serialized_start=794
+  _globals['_TASK']._serialized_end=1219
+  _globals['_TASK_WAIT']._serialized_start=924
+  _globals['_TASK_WAIT']._serialized_end=975
+  _globals['_TASK_TRAIN']._serialized_start=978
+  _globals['_TASK_TRAIN']._serialized_end=1166
+  _globals['_TASK_DONE']._serialized_start=1168
+  _globals['_TASK_DONE']._serialized_end=1211
+  _globals['_TENSORCHUNK']._serialized_start=1222
+  _globals['_TENSORCHUNK']._serialized_end=1386
+  _globals['_TENSORCHUNKBATCH']._serialized_start=1388
+  _globals['_TENSORCHUNKBATCH']._serialized_end=1448
+  _globals['_TENSORVERSION']._serialized_start=1450
+  _globals['_TENSORVERSION']._serialized_end=1496
+  _globals['_FETCHREQUEST']._serialized_start=1499
+  _globals['_FETCHREQUEST']._serialized_end=1649
+  _globals['_PUSHMESSAGE']._serialized_start=1652
+  _globals['_PUSHMESSAGE']._serialized_end=1811
+  _globals['_PUSHHEADER']._serialized_start=1814
+  _globals['_PUSHHEADER']._serialized_end=1984
+  _globals['_PUSHHEADER_METRICSENTRY']._serialized_start=1938
+  _globals['_PUSHHEADER_METRICSENTRY']._serialized_end=1984
+  _globals['_PUSHREPLY']._serialized_start=1986
+  _globals['_PUSHREPLY']._serialized_end=2066
+  _globals['_EVALUATIONREPORT']._serialized_start=2069
+  _globals['_EVALUATIONREPORT']._serialized_end=2231
+  _globals['_EVALUATIONREPLY']._serialized_start=2233
+  _globals['_EVALUATIONREPLY']._serialized_end=2268
+  _globals['_AGGREGATOR']._serialized_start=2400
+  _globals['_AGGREGATOR']._serialized_end=2835
 # @@protoc_insertion_point(module_scope)

@@ -77,8 +77,10 @@ class HeartbeatReply(_message.Message):
     def __init__(self, server_time_unix: _Optional[float] = ..., current_round: _Optional[int] = ..., last_closed_round: _Optional[int] = ...) -> None: ...
 
 class GetTaskRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("report",)
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    report: EvaluationReport
+    def __init__(self, report: _Optional[_Union[EvaluationReport, _Mapping]] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("wait", "train", "done")

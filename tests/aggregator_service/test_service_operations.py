@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_helpers import SECRET, register, shards
+from grpc_helpers import SECRET, register, shards, snapshot
 from sqlalchemy import func, select
 
 from aggregator_service import store
@@ -268,3 +268,40 @@ def test_report_evaluation_recorded_once_per_round_and_client(start_service, sql
         assert summary["mean_client_accuracy"] == pytest.approx((0.5 * 30 + 0.25 * 10) / 40)
         assert summary["mean_client_loss"] == pytest.approx((1.5 * 30 + 2.0 * 10) / 40)
         assert summary["personalized_accuracy"] == pytest.approx(0.75)
+
+
+def test_an_evaluation_sent_with_get_task_is_recorded_as_report_evaluation_records_it(
+    start_service, sqlite_url
+) -> None:
+    """What client_agent does: one call fewer per round; a refused report fails the call and changes nothing."""
+    svc = start_service(sqlite_url)
+    data = shards(2, 60)
+    a, b = register(svc.stub, 0.25, data[0]), register(svc.stub, 1.0, data[1])
+
+    def ask(c, round_: int, acc: float, n: int = 30) -> pb.Task:
+        report = pb.EvaluationReport(round=round_, global_accuracy=acc, global_loss=1.5, num_samples=n)
+        return c.stub.GetTask(pb.GetTaskRequest(report=report), metadata=c.auth)
+
+    before = snapshot(sqlite_url)
+    with pytest.raises(grpc.RpcError) as info:  # round 1 has not closed yet
+        ask(a, 1, 0.5)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "has not closed" in info.value.details()
+    assert snapshot(sqlite_url) == before
+    for c in (a, b):
+        _, reply = c.round_trip()
+        assert reply.accepted
+    assert svc.coordinator.federation.round == 1
+
+    before = snapshot(sqlite_url)
+    with pytest.raises(grpc.RpcError) as info:
+        ask(a, 1, 1.5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "global_accuracy" in info.value.details()
+    assert snapshot(sqlite_url) == before
+
+    assert ask(a, 1, 0.5).WhichOneof("kind") == "train"  # recorded, and the task for round 2 comes back
+    assert ask(a, 1, 0.9).WhichOneof("kind") == "train"  # a retry: the first report stands
+    with store.session_factory(store.create_engine_for(sqlite_url)).begin() as s:
+        fed = store.get_federation(s, "default")
+        evals = {e.client_id: e for e in store.round_evaluations(s, fed, 1)}
+    assert set(evals) == {a.client_id}
+    assert (evals[a.client_id].global_accuracy, evals[a.client_id].num_samples) == (0.5, 30)
