@@ -31,7 +31,7 @@ import torch
 
 from client_agent.state import ClientState, PendingUpdate
 from client_agent.transport import AggregatorClient, Unauthenticated, task_from_proto
-from client_agent.update import evaluate_client, run_task
+from client_agent.update import ClientEvaluation, evaluate_client, run_task
 from fedatoms.v1 import aggregator_pb2 as pb
 from fedcore.data import ArrayDataset
 from fedcore.spec import ModelSpec
@@ -123,6 +123,55 @@ class RoundWatch:
         return self.client.heartbeat()
 
 
+class ComputeSlot:
+    """The one CPU slot the agents of a worker process take turns on: trainings first.
+
+    ``with slot:`` is a training; ``with slot.deferred():`` an evaluation, which waits while any
+    training waits. The round closes only after the last push, so evaluations of the previous
+    round's model then fill the time the worker would idle through the close.
+    """
+
+    def __init__(self) -> None:
+        lock = threading.Lock()
+        # one condition per kind, so a release wakes one waiter, not all of a worker's agents
+        self._training, self._evaluation = threading.Condition(lock), threading.Condition(lock)
+        self._lock = lock
+        self._busy = False
+        self._waiting = {True: 0, False: 0}  # training? → waiters
+
+    def _acquire(self, training: bool) -> None:
+        cond = self._training if training else self._evaluation
+        with self._lock:
+            self._waiting[training] += 1
+            try:
+                cond.wait_for(lambda: not self._busy and (training or not self._waiting[True]))
+            finally:
+                self._waiting[training] -= 1
+            self._busy = True
+
+    def _release(self) -> None:
+        with self._lock:
+            self._busy = False
+            if self._waiting[True]:
+                self._training.notify()
+            elif self._waiting[False]:
+                self._evaluation.notify()
+
+    def __enter__(self) -> None:
+        self._acquire(True)
+
+    def __exit__(self, *exc: object) -> None:
+        self._release()
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._acquire(False)
+        try:
+            yield
+        finally:
+            self._release()
+
+
 class TrainingDiverged(RuntimeError):
     """Local training produced NaN or Inf; pushing it would only be refused (INVALID_ARGUMENT)."""
 
@@ -171,10 +220,11 @@ class Agent:
         name: str | None = None,
         progress: bool = False,
         eval_poll_seconds: float = 1.0,
-        compute_lock: threading.Lock | None = None,
+        compute_lock: threading.Lock | ComputeSlot | None = None,
         durable: bool = True,
         keep_state: bool = True,
         round_watch: RoundWatch | None = None,
+        defer_evaluation: bool = False,
     ) -> None:
         self.client = client
         self.state_dir = Path(state_dir)
@@ -202,6 +252,10 @@ class Agent:
         self._unsaved = False  # an optional save was skipped (see :meth:`_save`)
         # an evaluation not yet reported: it travels with the next GetTask (one call fewer per round)
         self._report: pb.EvaluationReport | None = None
+        # True (virtual clients): evaluate a closed round's model after training the next round, on a
+        # snapshot of what evaluation reads, at low priority (ComputeSlot.deferred)
+        self.defer_evaluation = defer_evaluation
+        self._deferred: tuple[int, ClientState] | None = None
 
     # ------------------------------------------------------------------ identity
 
@@ -266,7 +320,10 @@ class Agent:
             else:
                 beat = self.client.heartbeat()
             if beat.last_closed_round >= s.evaluate_round:
-                self._evaluate(beat.last_closed_round)
+                if self.defer_evaluation:
+                    self._fetch_to_evaluate_later(beat.last_closed_round)
+                else:
+                    self._evaluate(beat.last_closed_round)
                 return 0.0
             if beat.current_round != s.evaluate_round:  # neither open nor closed: it was abandoned
                 log.warning("event=round_abandoned round=%d current=%d", s.evaluate_round, beat.current_round)
@@ -292,6 +349,9 @@ class Agent:
             self._train(task.train)
             return 0.0
         if kind == "done":
+            if self._deferred is not None:  # the last round's model: no training to go first
+                self._evaluate_deferred()
+                self._report_now()
             if self._unsaved:
                 self._save()
             log.info("event=done reason=%s final_round=%d", json.dumps(task.done.reason), task.done.final_round)
@@ -302,6 +362,8 @@ class Agent:
     def _train(self, train: pb.Task.Train) -> None:
         with self.round_watch.training() if self.round_watch is not None else contextlib.nullcontext():
             self._train_and_push(train)
+        if self._deferred is not None:
+            self._evaluate_deferred()
 
     def _train_and_push(self, train: pb.Task.Train) -> None:
         s, spec = self.state, self.spec
@@ -373,25 +435,79 @@ class Agent:
         self._save(optional=True)
 
     def _evaluate(self, closed: int) -> None:
-        """Fetch the model round ``closed`` produced and report how it does on the local test split."""
+        """Fetch the model round ``closed`` produced and evaluate it on the local test split (reported with
+        the next GetTask)."""
+        self._fetch_model_of(closed)
+        assert self.state is not None
+        with self.compute_lock:
+            ev = self._evaluation(self.state)
+        self._keep_report(closed, ev)
+        self.state.evaluate_round = None
+        self._save(optional=True)
+
+    def _fetch_model_of(self, closed: int) -> None:
         s, spec = self.state, self.spec
         assert s is not None and spec is not None and self.test_data is not None
         fetched = self.client.fetch(spec, s.versions, round_=closed)
         s.receive(fetched.model)
         self._model_round = closed
-        with self.compute_lock:
-            ev = evaluate_client(s, spec, self.test_data)
+
+    def _fetch_to_evaluate_later(self, closed: int) -> None:
+        """Fetch round ``closed``'s model now (the next round trains on it) and keep what evaluating it reads."""
+        self._fetch_model_of(closed)
+        s = self.state
+        assert s is not None
+        personal = dict(s.personal_atoms) if s.personal_atoms is not None else None
+        # training replaces these tensors, never writes into them: copies of the dicts are a snapshot
+        snapshot = replace(s, global_tensors=dict(s.global_tensors), local=dict(s.local), personal_atoms=personal)
+        self._deferred = (closed, snapshot)
+        s.evaluate_round = None
+        self._save(optional=True)
+
+    def _evaluate_deferred(self) -> None:
+        assert self._deferred is not None
+        closed, snapshot = self._deferred
+        slot = self.compute_lock
+        with slot.deferred() if isinstance(slot, ComputeSlot) else slot:
+            ev = self._evaluation(snapshot)
+        self._keep_report(closed, ev)
+        self._deferred = None
+
+    def _evaluation(self, state: ClientState) -> ClientEvaluation:
+        assert self.spec is not None and self.test_data is not None
+        return evaluate_client(state, self.spec, self.test_data)
+
+    def _keep_report(self, closed: int, ev: ClientEvaluation) -> None:
+        """The evaluation goes with the next GetTask."""
+        if self._report is not None:  # not sent yet (no GetTask since): it goes on its own
+            self._report_now()
         self._report = self.client.evaluation(
             closed, ev.global_accuracy, ev.global_loss, ev.personalized_accuracy, ev.num_samples
-        )  # sent with the next GetTask, which follows at once
+        )
         log.info(
             "event=evaluated round=%d accuracy=%.4f personalized=%s",
             closed,
             ev.global_accuracy,
             "-" if ev.personalized_accuracy is None else f"{ev.personalized_accuracy:.4f}",
         )
-        s.evaluate_round = None
-        self._save(optional=True)
+
+    def _report_now(self) -> None:
+        """Send the pending report on its own (ReportEvaluation) when no GetTask will carry it."""
+        report, self._report = self._report, None
+        if report is None:
+            return
+        try:
+            self.client.report(
+                report.round,
+                report.global_accuracy,
+                report.global_loss,
+                report.personalized_accuracy if report.HasField("personalized_accuracy") else None,
+                report.num_samples,
+            )
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):  # type: ignore[attr-defined]
+                raise
+            log.warning("event=report_refused round=%d detail=%s", report.round, json.dumps(exc.details()))  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ one agent per process
 

@@ -165,12 +165,12 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
     """Run the job's agents until the federation is done; returns ``{client key: rounds trained}``."""
     import torch
 
-    from client_agent.agent import Agent, RoundWatch
+    from client_agent.agent import Agent, ComputeSlot, RoundWatch
     from client_agent.transport import AggregatorClient
 
     torch.set_num_threads(job.torch_threads)
     clients = job.population.build()
-    compute = threading.Lock()  # one training at a time per process; network waits overlap
+    compute = ComputeSlot()  # one training (or evaluation) at a time per process; network waits overlap
     channel = AggregatorClient(job.target, tls_ca=Path(job.tls_ca) if job.tls_ca else None)
     agents: dict[int, Agent] = {}
     watch = RoundWatch(AggregatorClient.sharing(channel), interval=job.eval_poll_seconds)
@@ -186,6 +186,7 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
             durable=False,
             keep_state=job.keep_state,
             round_watch=watch,
+            defer_evaluation=True,
         )
         agent.ensure_registered()
         agents[i] = agent

@@ -1,4 +1,4 @@
-"""One heartbeat stream per worker process: fast while agents wait for a close, slow while one still trains."""
+"""A worker process's shared parts: one heartbeat stream (slow while an agent trains), one compute slot."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.server import build_server
-from client_agent.agent import RoundWatch
+from client_agent.agent import ComputeSlot, RoundWatch
 from client_agent.transport import AggregatorClient
 from fedcore.tiers import CapabilityProfile
 
@@ -67,3 +67,39 @@ def test_the_watch_asks_rarely_while_an_agent_trains_and_at_once_when_it_is_done
         watch.stop()
         client.close()
         server.stop(None)
+
+
+def test_the_compute_slot_gives_trainings_precedence_over_deferred_evaluations() -> None:
+    slot = ComputeSlot()
+    order: list[str] = []
+    holder_in, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with slot:
+            holder_in.set()
+            release.wait()
+
+    def evaluation(i: int) -> None:
+        with slot.deferred():
+            order.append(f"eval-{i}")
+
+    def training(i: int) -> None:
+        with slot:
+            order.append(f"train-{i}")
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holder_in.wait()
+    evals = [threading.Thread(target=evaluation, args=(i,)) for i in range(3)]
+    for t in evals:
+        t.start()
+    time.sleep(0.1)  # the evaluations wait first ...
+    trains = [threading.Thread(target=training, args=(i,)) for i in range(3)]
+    for t in trains:
+        t.start()
+    time.sleep(0.1)
+    release.set()  # ... yet every waiting training goes before them
+    for t in [holder, *evals, *trains]:
+        t.join(timeout=10)
+    assert sorted(order[:3]) == ["train-0", "train-1", "train-2"]
+    assert sorted(order[3:]) == ["eval-0", "eval-1", "eval-2"]
