@@ -357,6 +357,9 @@ class Agent:
             log.info("event=done reason=%s final_round=%d", json.dumps(task.done.reason), task.done.final_round)
             return None
         log.debug("event=wait reason=%s", json.dumps(task.wait.reason))
+        if self._deferred is not None:  # no training of this agent goes first (not in this cohort): evaluate now
+            self._evaluate_deferred()
+            return 0.0  # the report goes with the next GetTask
         return max(0.0, task.wait.retry_after_seconds)
 
     def _train(self, train: pb.Task.Train) -> None:

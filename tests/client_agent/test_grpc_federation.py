@@ -130,14 +130,17 @@ def test_personal_atoms_beat_the_global_model_on_local_tests(runs) -> None:
 
 
 def test_a_temporary_state_root_is_never_written_and_changes_nothing(tmp_path, monkeypatch) -> None:
-    """Without --state-dir the virtual clients keep no state on disk; the record is still the in-process one."""
-    small = {**CONFIG, "clients": 5, "rounds": 2}
+    """Without --state-dir the virtual clients keep no state on disk; the record is still the in-process one.
+
+    Half the clients per round: those left out of a cohort evaluate their deferred model while they wait.
+    """
+    small = {**CONFIG, "clients": 6, "rounds": 3, "fraction": 0.5}
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where the simulation makes its state root
     over_grpc = run_simulation(
         SimulationConfig(transport="grpc", **small), database_url=f"sqlite:///{tmp_path / 'a.db'}", workers=2
     )
     (root,) = tmp_path.glob("fedatoms-sim-*")
-    assert sorted(p.name for p in root.rglob("*") if p.is_file()) == ["credentials.json"] * 5  # identities only
+    assert sorted(p.name for p in root.rglob("*") if p.is_file()) == ["credentials.json"] * 6  # identities only
     inprocess = run_simulation(SimulationConfig(**small))
     for a, b in zip(inprocess["rounds"], over_grpc["rounds"], strict=True):
         a, b = dict(a), dict(b)
