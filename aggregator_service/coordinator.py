@@ -180,8 +180,8 @@ class Coordinator:
         self._decoded, self._decoded_round, self._decoded_bytes = {}, None, 0
 
     def _load(self) -> None:
-        self._forget_decoded()
         """(Re)build the in-memory federation from the database; create it on first start."""
+        self._forget_decoded()
         with self._lock, self._factory.begin() as s:
             row = store.get_federation(s, self.settings.federation_name)
             created = row is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,13 +62,7 @@ def export_global_model(database_url: str, round_: int, out: str | Path, federat
 
 def revoke(database_url: str, client_id: str) -> None:
     """Revoke a client's token for good; its next call answers UNAUTHENTICATED ``token revoked``."""
-    engine = store.create_engine_for(database_url)
-    try:
-        with store.session_factory(engine).begin() as s:
-            if not store.revoke_client(s, client_id):
-                raise ValueError(f"no client {client_id!r} in {database_url}")
-    finally:
-        engine.dispose()
+    _on_client(database_url, client_id, store.revoke_client)
 
 
 def rebind_certificate(database_url: str, client_id: str, cert: Path) -> str:
@@ -82,11 +77,16 @@ def rebind_certificate(database_url: str, client_id: str, cert: Path) -> str:
         raise ValueError(f"cannot read client certificate {cert}: {exc.strerror}") from exc
     except ValueError as exc:
         raise ValueError(f"{cert} is not a PEM certificate ({exc})") from exc
+    _on_client(database_url, client_id, lambda s, cid: store.bind_certificate(s, cid, digest))
+    return digest
+
+
+def _on_client(database_url: str, client_id: str, action: Callable[[Session, str], bool]) -> None:
+    """Run ``action(session, client_id)`` in one transaction; it returns False when there is no such client."""
     engine = store.create_engine_for(database_url)
     try:
         with store.session_factory(engine).begin() as s:
-            if not store.bind_certificate(s, client_id, digest):
+            if not action(s, client_id):
                 raise ValueError(f"no client {client_id!r} in {database_url}")
     finally:
         engine.dispose()
-    return digest

@@ -481,9 +481,7 @@ class Agent:
         return evaluate_client(state, self.spec, self.test_data)
 
     def _keep_report(self, closed: int, ev: ClientEvaluation) -> None:
-        """The evaluation goes with the next GetTask."""
-        if self._report is not None:  # not sent yet (no GetTask since): it goes on its own
-            self._report_now()
+        """The evaluation goes with the next GetTask (every flow asks for a task before it evaluates again)."""
         self._report = self.client.evaluation(
             closed, ev.global_accuracy, ev.global_loss, ev.personalized_accuracy, ev.num_samples
         )
@@ -500,13 +498,7 @@ class Agent:
         if report is None:
             return
         try:
-            self.client.report(
-                report.round,
-                report.global_accuracy,
-                report.global_loss,
-                report.personalized_accuracy if report.HasField("personalized_accuracy") else None,
-                report.num_samples,
-            )
+            self.client.report(report)
         except grpc.RpcError as exc:
             if exc.code() not in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):  # type: ignore[attr-defined]
                 raise

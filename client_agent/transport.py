@@ -294,15 +294,8 @@ class AggregatorClient:
             report.personalized_accuracy = personalized_accuracy
         return report
 
-    def report(
-        self,
-        round_: int,
-        global_accuracy: float,
-        global_loss: float,
-        personalized_accuracy: float | None,
-        num_samples: int,
-    ) -> pb.EvaluationReply:
-        request = self.evaluation(round_, global_accuracy, global_loss, personalized_accuracy, num_samples)
+    def report(self, report: pb.EvaluationReport) -> pb.EvaluationReply:
+        """Send an evaluation (:meth:`evaluation`) on its own, when no GetTask will carry it."""
         return self._call(
-            "ReportEvaluation", lambda: self.stub.ReportEvaluation(request, metadata=self._auth, timeout=30)
+            "ReportEvaluation", lambda: self.stub.ReportEvaluation(report, metadata=self._auth, timeout=30)
         )
