@@ -28,14 +28,15 @@ while round r trains — is counted once in both transports):
 
 Round 1 is skipped on both sides (the gRPC period before it includes worker start-up,
 dataset loading and registration; the in-process one includes data partitioning), so R
-rounds give R−1 periods. The table shows each side's median period, and the ratio of the
-medians (gRPC / in-process) per N. Target: ratio ≤ 1.5×. The machine may be shared and
-noisy, hence medians; the ranges are printed too.
+rounds give R−1 periods. Each N runs ``--repeats`` times (default 2), in-process and gRPC
+interleaved, so a noisy spell of a shared machine weighs on both; the periods of all
+repetitions are pooled. The table shows each side's median period, and the ratio of the
+medians (gRPC / in-process) per N. Target: ratio ≤ 1.5×. The ranges are printed too.
 
 Model: ``digits-cnn`` on 8×8 digits, ``factorization="none"``, tiers [1.0], fraction 1.0
 (every client every round), 1 local epoch, batch size 10.
 
-    .venv/bin/python benchmarks/rounds.py [--clients 10,100] [--rounds 6] [--workers 2]
+    .venv/bin/python benchmarks/rounds.py [--clients 10,100] [--rounds 6] [--workers 2] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -161,10 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="rounds per run; round 1 is skipped (default 6)")
     parser.add_argument("--workers", type=int, default=2, help="gRPC client worker processes (default 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="interleaved in-process/gRPC repetitions per N, pooled (default 2)"
+    )
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.clients.split(",") if x.strip()]
     if args.rounds < 3:
         parser.error("--rounds must be ≥ 3 (round 1 is skipped; a median wants ≥ 2 periods)")
+    if args.repeats < 1:
+        parser.error("--repeats must be ≥ 1")
 
     import torch
 
@@ -177,18 +183,35 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     started = time.perf_counter()
     for n in sizes:
-        say(f"N={n}: in-process …")
-        c0 = cpu_seconds()
-        ip, ip_first, ip_total = run_inprocess(n, args.rounds, args.seed)
-        c1 = cpu_seconds()
-        say(f"N={n}: gRPC ({args.workers} workers) …")
-        gp, g_first, g_total, open_close = run_grpc(n, args.rounds, args.seed, args.workers)
-        cpu = ((c1 - c0) / args.rounds, (cpu_seconds() - c1) / args.rounds)
-        results.append((n, ip, ip_first, ip_total, gp, g_first, g_total, open_close, cpu))
-        say(
-            f"N={n}: in-process median {statistics.median(ip):.3f} s/round, "
-            f"gRPC median {statistics.median(gp):.3f} s/round"
-        )
+        ip: list[float] = []
+        gp: list[float] = []
+        open_close: list[float] = []
+        ip_firsts: list[float] = []
+        ip_totals: list[float] = []
+        g_firsts: list[float] = []
+        g_totals: list[float] = []
+        cpu_ip: list[float] = []
+        cpu_g: list[float] = []
+        for rep in range(1, args.repeats + 1):  # interleaved, so a noisy spell weighs on both transports
+            say(f"N={n}, repetition {rep}/{args.repeats}: in-process …")
+            c0 = cpu_seconds()
+            periods, first, total = run_inprocess(n, args.rounds, args.seed)
+            c1 = cpu_seconds()
+            ip += periods
+            ip_firsts.append(first)
+            ip_totals.append(total)
+            say(f"N={n}, repetition {rep}/{args.repeats}: gRPC ({args.workers} workers) …")
+            periods, first, total, oc = run_grpc(n, args.rounds, args.seed, args.workers)
+            gp += periods
+            open_close += oc
+            g_firsts.append(first)
+            g_totals.append(total)
+            cpu_ip.append((c1 - c0) / args.rounds)
+            cpu_g.append((cpu_seconds() - c1) / args.rounds)
+        med = statistics.median
+        cpu = (med(cpu_ip), med(cpu_g))
+        results.append((n, ip, med(ip_firsts), med(ip_totals), gp, med(g_firsts), med(g_totals), open_close, cpu))
+        say(f"N={n}: in-process median {med(ip):.3f} s/round, gRPC median {med(gp):.3f} s/round")
 
     say("")
     say(
@@ -210,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     say("")
     say(
-        f"ratio = median gRPC period / median in-process period (rounds 2..{args.rounds}); "
-        f"target ≤ {TARGET}×. 'gRPC open→close' is the median of the database's per-round duration, for reference."
+        f"ratio = median gRPC period / median in-process period (rounds 2..{args.rounds} of {args.repeats} interleaved "
+        f"repetitions, pooled); target ≤ {TARGET}×. 'gRPC open→close' is the median of the database's per-round "
+        "duration, for reference; first round and totals are medians over the repetitions."
     )
     say(
         "CPU s/round: CPU time of the whole run (start-up and registration included; gRPC: aggregator and "

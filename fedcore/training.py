@@ -170,7 +170,12 @@ def _seeded(seed: int, device: torch.device) -> Iterator[None]:
     """Seed torch's global RNG (dropout & co.) for the block, restoring the caller's state after."""
     devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
-        torch.manual_seed(seed)
+        if device.type == "cpu":
+            # only the CPU generator draws here; torch.manual_seed would also queue a seed for every
+            # accelerator type torch knows, each with a stack trace: ~0.3 ms per call, twice per client round
+            torch.default_generator.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
         yield
 
 

@@ -106,6 +106,17 @@ def test_dropout_is_seeded() -> None:
     assert_same(a.tensors, b.tensors)
 
 
+def test_cpu_seeding_draws_what_torch_manual_seed_draws() -> None:
+    """On CPU only the CPU generator is seeded (torch.manual_seed also queues accelerator seeds, slowly):
+    the draws, and so every seeded result, stay those of torch.manual_seed."""
+    from fedcore.training import _seeded
+
+    with _seeded(5, torch.device("cpu")):
+        fast = torch.rand(8), torch.randperm(10)
+    torch.manual_seed(5)
+    assert torch.equal(fast[0], torch.rand(8)) and torch.equal(fast[1], torch.randperm(10))
+
+
 # --------------------------------------------------------------------------- learning and evaluation
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -217,8 +218,10 @@ def store_update(
     """Store one client's update for an open round; ``(update header, duplicate)``.
 
     Idempotent on ``update_id``: a retry returns the stored update with ``duplicate=True`` and
-    writes nothing (also when two copies race: the loser's unique-constraint violation is
-    rolled back to a SAVEPOINT and the winner's row returned). The acknowledgement may be sent
+    writes nothing (also when two copies race on PostgreSQL: the loser's unique-constraint
+    violation is rolled back to a SAVEPOINT and the winner's row returned; a SQLite transaction
+    holds the write lock from ``BEGIN IMMEDIATE``, so no copy can land between the check and the
+    insert, and a savepoint would only journal pages). The acknowledgement may be sent
     once the caller's transaction has committed. A new update is written with Core statements
     (a push is on every client's critical path); its header is returned detached from the session.
 
@@ -263,9 +266,10 @@ def store_update(
         "metrics": clean_metrics,
         "received_at": _now(now),
     }
+    racing = session.get_bind().dialect.name != "sqlite"
     try:
-        with session.begin_nested():
-            conn = session.connection()
+        with session.begin_nested() if racing else contextlib.nullcontext():
+            conn = session.connection()  # inside begin_nested: acquiring it emits the SAVEPOINT
             pk = conn.execute(_INSERT_UPDATE, {k if k != "metrics" else "metrics_json": v for k, v in header.items()})
             pk = pk.scalar_one()
             if rows:
@@ -284,6 +288,8 @@ def store_update(
                     ],
                 )
     except IntegrityError:
+        if not racing:
+            raise
         # Another transaction stored the same update_id (or this client's update) in between.
         found = _duplicate_or_conflict(session, fed, round, client_id, update_id)
         if found is None:

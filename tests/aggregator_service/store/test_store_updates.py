@@ -7,7 +7,8 @@ import time
 
 import numpy as np
 import pytest
-from sqlalchemy import event, insert, select
+from sqlalchemy import event, func, insert, select
+from sqlalchemy.exc import IntegrityError
 
 from aggregator_service import store
 from fedcore.codec import CodecError
@@ -28,6 +29,27 @@ def _push(db, world, client: str, update_id: str, value: float, **kw):
 def _stored(db, world):
     with db.factory() as s:
         return [(h.client_id, h.update_id, t, c) for h, t, c in store.iter_round_updates(s, world.fed, 1)]
+
+
+def _insert_copy(conn, world, client: str, update_id: str) -> int:
+    """Another copy of ``update_id`` (tensor ``w`` = [1.0]), written straight on ``conn``; its primary key."""
+    pk = conn.execute(
+        insert(store.Update.__table__).values(
+            federation_id=world.fed.id,
+            round=1,
+            client_id=client,
+            update_id=update_id,
+            num_samples=5,
+            metrics_json={},
+            received_at=world.t0,
+        )
+    ).inserted_primary_key[0]
+    conn.execute(
+        insert(store.UpdateTensor.__table__).values(
+            update_pk=pk, kind="model", name="w", dtype="float32", shape_json=[1], data=b"\x00\x00\x80\x3f"
+        )
+    )
+    return int(pk)
 
 
 def test_duplicate_update_id_is_acknowledged_and_writes_nothing(db, world):
@@ -53,6 +75,8 @@ def test_duplicate_in_the_same_transaction(db, world):
 
 def test_race_path_unique_violation_rolls_back_to_savepoint(db, world):
     """Another transaction's copy lands between the duplicate check and the insert (injected right there)."""
+    if db.backend == "sqlite":
+        pytest.skip("SQLite holds the write lock from BEGIN IMMEDIATE, so no copy can land in between (next test)")
     a = world.clients[0]
     injected: list[int] = []
 
@@ -60,23 +84,7 @@ def test_race_path_unique_violation_rolls_back_to_savepoint(db, world):
         if injected or not statement.startswith("SAVEPOINT"):
             return
         injected.append(0)
-        pk = conn.execute(
-            insert(store.Update.__table__).values(
-                federation_id=world.fed.id,
-                round=1,
-                client_id=a,
-                update_id="u-race",
-                num_samples=5,
-                metrics_json={},
-                received_at=world.t0,
-            )
-        ).inserted_primary_key[0]
-        conn.execute(
-            insert(store.UpdateTensor.__table__).values(
-                update_pk=pk, kind="model", name="w", dtype="float32", shape_json=[1], data=b"\x00\x00\x80\x3f"
-            )
-        )
-        injected[0] = pk
+        injected[0] = _insert_copy(conn, world, a, "u-race")
 
     event.listen(db.engine, "before_cursor_execute", competitor)
     try:
@@ -87,6 +95,35 @@ def test_race_path_unique_violation_rolls_back_to_savepoint(db, world):
     stored = _stored(db, world)
     assert len(stored) == 1
     assert stored[0][2] == {"w": np.array([1.0], np.float32)}  # the winner's tensors, not this call's
+
+
+def test_sqlite_unique_violation_fails_the_write_instead_of_passing_for_a_duplicate(db, world):
+    """SQLite stores without a savepoint (no racing copy is possible); a unique violation there is an error.
+
+    It must not be answered as a duplicate (the row it would find may be this very transaction's),
+    and the caller's transaction rolls back whole: nothing is stored.
+    """
+    if db.backend != "sqlite":
+        pytest.skip("PostgreSQL takes the savepoint path (previous test)")
+    a = world.clients[0]
+    statements: list[str] = []
+
+    def clash(conn, cursor, statement, parameters, context, executemany):
+        statements.append(statement)
+        if statement.startswith("INSERT INTO updates ") and not conn.info.get("clashed"):
+            conn.info["clashed"] = True  # the same key, written just before this insert (cannot happen for real)
+            _insert_copy(conn, world, a, "u-clash")
+
+    event.listen(db.engine, "before_cursor_execute", clash)
+    try:
+        with pytest.raises(IntegrityError):
+            _push(db, world, a, "u-clash", 7.0)
+    finally:
+        event.remove(db.engine, "before_cursor_execute", clash)
+    assert _stored(db, world) == []
+    with db.factory() as s:
+        assert s.scalar(select(func.count()).select_from(store.UpdateTensor)) == 0
+    assert not [x for x in statements if x.startswith("SAVEPOINT")]  # it would only journal pages on SQLite
 
 
 def test_concurrent_duplicate_pushes_from_two_engines(db, world):
