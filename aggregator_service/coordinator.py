@@ -150,6 +150,9 @@ class Coordinator:
         # bytes moved since the last write: (round, client id, direction) → (bytes, bytes per full-rank tensor)
         self._transfers: dict[_TransferKey, tuple[int, dict[str, int]]] = {}
         self._transfers_lock = threading.Lock()
+        # pushes between their write and their count, (round, client id, update id) → (client, bytes, per
+        # tensor): a close that folds one of them counts it (see :meth:`_count_folded_uploads`)
+        self._uploading: dict[tuple[int, str, str], tuple[ClientInfo, int, Mapping[str, int]]] = {}
         self._closed_rounds: set[int] = set()  # rounds known closed: a closed round never reopens
         # the open round's updates as validated, (client id, update id) → arrays, so its close need not
         # read back and decode every blob (a fifth of the close, which every client waits on), within
@@ -526,6 +529,17 @@ class Coordinator:
             raise
         return drained
 
+    def _count_folded_uploads(self, round_: int, folded: set[tuple[str, str]]) -> None:
+        """Count the uploads this close folds whose pushes have not counted them yet.
+
+        A push counts its bytes after its commit; a deadline can close the round in between. The
+        close then counts them itself, so the round's ``bytes_up`` has every update it aggregated.
+        """
+        with self._transfers_lock:
+            taken = [self._uploading.pop(k) for k in list(self._uploading) if k[0] == round_ and k[1:] in folded]
+        for client, size, per_tensor in taken:
+            self._count_transfer(client, "up", round_, size, per_tensor)
+
     def _unwrite_transfers(self, drained: Mapping[_TransferKey, tuple[int, dict[str, int]]]) -> None:
         with self._transfers_lock:
             for key, (nbytes, tensors) in drained.items():
@@ -600,13 +614,19 @@ class Coordinator:
 
         # written outside the lock, so fetches and polls never wait on an fsync; the store re-checks
         # (in the transaction) that the round is still open, so a close in between refuses the update
+        upload = (round_, client.id, update_id)
+        with self._transfers_lock:
+            self._uploading[upload] = (client, size, tensor_bytes)
         try:
             duplicate = self._writes.run(write)
         except store.UpdateConflict as exc:
             raise FailedPrecondition(f"{exc}; a retry must reuse the original update_id") from exc
         except (store.RoundStateError, store.NotInCohort, store.NotFound) as exc:
             raise FailedPrecondition(f"{exc}: poll GetTask for the current task") from exc
-        if not duplicate:
+        finally:
+            with self._transfers_lock:
+                uncounted = self._uploading.pop(upload, None) is not None  # else a close counted it
+        if not duplicate and uncounted:
             self._count_transfer(client, "up", round_, size, tensor_bytes)
         log.info(
             kv("update_stored", round=round_, client=client.id, duplicate=duplicate, tensors=len(model), bytes=size)
@@ -650,7 +670,6 @@ class Coordinator:
         try:
             with self._factory.begin() as s:
                 store.lock_round(s, self._fed_row, plan.round)
-                drained = self._write_transfers(s)  # the round's metrics sum its transfers
                 members = {
                     cid: (client_key(number), float(tier))
                     for cid, number, tier in s.execute(
@@ -665,7 +684,9 @@ class Coordinator:
                     )
                 fed.begin(plan)
                 decoded = self._decoded if self._decoded_round == plan.round else None
+                folded: set[tuple[str, str]] = set()
                 for header, tensors, deltas in store.iter_round_updates(s, self._fed_row, plan.round, decoded):
+                    folded.add((header.client_id, header.update_id))
                     key, tier = members[header.client_id]
                     fed.fold(
                         ClientUpdate(
@@ -681,6 +702,8 @@ class Coordinator:
                         )
                     )
                 outcome = fed.close()
+                self._count_folded_uploads(plan.round, folded)
+                drained = self._write_transfers(s)  # the round's metrics sum its transfers
                 json_state, strategy_tensors = self._split_strategy_state(fed.strategy.state_dict())
                 done = outcome.round >= self.config.rounds
                 store.close_round(

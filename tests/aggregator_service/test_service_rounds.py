@@ -7,7 +7,9 @@ from datetime import timedelta
 import pytest
 import torch
 from grpc_helpers import fill_keys, global_tensors, offline_round, register, shards, small_federation
+from sqlalchemy import select
 
+from aggregator_service import store
 from aggregator_service.rounds import RoundPlan
 from fedatoms.v1 import aggregator_pb2 as pb
 
@@ -131,7 +133,7 @@ def test_deadline_without_quorum_extends_once_then_abandons(start_service, sqlit
 def test_deadline_counts_a_push_that_committed_but_has_not_counted_itself(start_service, sqlite_url) -> None:
     """A push commits (group commit) before it re-takes the coordinator's lock to count itself: a deadline
     in between must still see it in the store and close with the quorum, never abandon the round with an
-    acknowledged update in it."""
+    acknowledged update in it, and count its bytes toward the round it closes."""
     svc, clients = _three_in_round_one(start_service, sqlite_url)
     co = svc.coordinator
     clients[0].round_trip()
@@ -150,3 +152,18 @@ def test_deadline_counts_a_push_that_committed_but_has_not_counted_itself(start_
     assert reply.accepted and not reply.duplicate
     assert co.open_round is None and co.federation.round == 1  # closed with the quorum, not abandoned
     assert all(v == 1 for _, v in global_tensors(sqlite_url).values())  # both updates were aggregated
+    # and the round's bytes_up has both uploads: the close counted the one whose push had not yet
+    co.flush()
+    engine = store.create_engine_for(sqlite_url)
+    try:
+        with engine.connect() as conn:
+            metrics_up = conn.scalar(select(store.RoundMetrics.bytes_up).where(store.RoundMetrics.round == 1))
+            rows = conn.execute(
+                select(store.Transfer.client_id, store.Transfer.bytes).where(
+                    store.Transfer.round == 1, store.Transfer.direction == "up"
+                )
+            ).all()
+    finally:
+        engine.dispose()
+    assert {cid for cid, _ in rows} == {clients[0].client_id, clients[1].client_id}
+    assert all(n > 0 for _, n in rows) and metrics_up == sum(n for _, n in rows)
