@@ -45,19 +45,12 @@ import aggregator_service.coordinator as coordinator_module
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
 from aggregator_service.coordinator import Coordinator
-from aggregator_service.server import MAX_MESSAGE_BYTES, build_server
+from aggregator_service.server import build_server
+from client_agent.transport import channel_options
 from fedatoms import wire
 from fedatoms.v1 import aggregator_pb2 as pb
 from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
 from fedcore import codec
-
-# the channel options of client_agent.transport.AggregatorClient, so the client side is the real one
-CLIENT_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_permit_without_calls", 0),
-]
 
 
 def raw_copy_seconds(payload: bytes) -> float:
@@ -126,7 +119,7 @@ def main() -> None:
     clock = PushClock()
     server, port, _ = build_server(settings, coordinator)
     server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CLIENT_OPTIONS)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())  # the agent's channel
     stub = pb_grpc.AggregatorStub(channel)
     fetch_model, push_update = wire.fetch_model(channel), wire.push_update(channel)
     regs = [
