@@ -28,6 +28,7 @@ from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
 from aggregator_service.coordinator import ClientInfo, Coordinator, Done, Train, kv
 from aggregator_service.errors import InvalidArgument, ServiceError, Unauthenticated
 from fedatoms import wire
+from fedatoms.allocator import reuse_message_buffers
 from fedatoms.v1 import aggregator_pb2 as pb
 from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
 from fedcore import codec
@@ -431,6 +432,7 @@ def serve(settings: AggregatorSettings) -> int:
     same database (:func:`aggregator_service.store.exclusive_federation`).
     """
     configure_logging()
+    reuse_message_buffers()
     try:
         with store.exclusive_federation(settings.database_url, settings.federation_name) as lock:
             return _serve(settings, lock)

@@ -1,7 +1,11 @@
 """Transport throughput of the aggregator on loopback, as ratios measured in one run (not a test).
 
-What is compared, all in one process on 127.0.0.1, payload = the resnet18 model's tensors as
-they travel (float32, ≈45 MB, cut into ≤ 1 MiB chunks packed into ≤ 1 MiB batches):
+The aggregator runs in its own process, as ``fedatoms aggregator serve`` does (this script with
+``--serve``: the same ``build_server``, with ``check_tensors`` timed), and this process is the
+client, with the agent's channel options and allocator setting. Sharing one process, and so
+one GIL, would charge the client for the server's Python and the other way round, which no
+deployment does. On 127.0.0.1, payload = the resnet18 model's tensors as they travel (float32,
+≈45 MB, cut into ≤ 1 MiB chunks packed into ≤ 1 MiB batches):
 
 - **raw copy**: the same payload bytes, from one contiguous buffer, through a plain TCP socket
   in 1 MiB ``sendall`` writes into a fresh receive buffer (``recv_into``), until the receiver
@@ -10,7 +14,8 @@ they travel (float32, ≈45 MB, cut into ≤ 1 MiB chunks packed into ≤ 1 MiB 
   batches' chunks are parsed in place, + ``codec.Reassembler`` + ``finish()``, as ``client_agent``
   does).
 - **PushUpdate, transport only**: the call until the server has received the stream,
-  reassembled it and validated it (measured by wrapping ``check_tensors`` in this script).
+  reassembled it and validated it (the server process wraps ``check_tensors`` and reports when
+  it returned, on ``CLOCK_MONOTONIC``, which both processes read).
 - **PushUpdate, end to end**: the same call until the client has the acknowledgement, which is
   sent only after the update is durably committed (SQLite WAL, ``synchronous=FULL``).
   The push's batches are built before the clock starts (``wire.push_messages``; client-side
@@ -22,14 +27,17 @@ range), so load from other processes on a shared machine hits both sides of a ra
 Target: ≥ 0.5× for FetchModel and PushUpdate. Then GetTask latency (p50/p99) and rate with
 ``--clients`` registered clients polling from ``--pollers`` threads.
 
-    .venv/bin/python benchmarks/transport.py [--reps 5] [--clients 1000] [--pollers 16] [--polls 3000]
+    .venv/bin/python benchmarks/transport.py [--reps 9] [--clients 1000] [--pollers 16] [--polls 3000]
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -37,7 +45,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import grpc
 
@@ -48,6 +56,7 @@ from aggregator_service.coordinator import Coordinator
 from aggregator_service.server import build_server
 from client_agent.transport import channel_options
 from fedatoms import wire
+from fedatoms.allocator import reuse_message_buffers
 from fedatoms.v1 import aggregator_pb2 as pb
 from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
 from fedcore import codec
@@ -82,19 +91,51 @@ def raw_copy_seconds(payload: bytes) -> float:
     return seconds
 
 
-class PushClock:
-    """Instrumentation of this script only: when the server finished validating the current push."""
+def settings_for(url: str) -> AggregatorSettings:
+    # fraction 1: every registered client joins round 1; one member never pushes, so it stays open
+    fed = FederationConfig(model="resnet18", num_classes=10, fraction=1.0, min_clients=2, rounds=5)
+    return AggregatorSettings(listen="127.0.0.1:0", database_url=url, federation=fed, deadline_seconds=3600)
 
-    def __init__(self) -> None:
-        self.validated_at = 0.0
-        original = coordinator_module.check_tensors
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            self.validated_at = time.perf_counter()
-            return out
+def serve(url: str) -> None:
+    """The aggregator process (``--serve URL``): prints its port, then one ``validated <t>`` line per
+    push, ``t`` the ``time.monotonic()`` at which ``check_tensors`` returned; stops when stdin closes."""
+    reuse_message_buffers()  # as `fedatoms aggregator serve` does
+    settings = settings_for(url)
+    store.upgrade(url)
+    coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
+    original = coordinator_module.check_tensors
 
-        coordinator_module.check_tensors = timed  # type: ignore[assignment]  # push() looks it up per call
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        print(f"validated {time.monotonic()!r}", flush=True)
+        return out
+
+    coordinator_module.check_tensors = timed  # type: ignore[assignment]  # push() looks it up per call
+    server, port, _ = build_server(settings, coordinator)
+    server.start()
+    print(f"port {port}", flush=True)
+    sys.stdin.read()  # until the benchmark exits or closes our stdin
+    server.stop(None)
+
+
+def start_server(url: str) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--serve", url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("port "):
+        proc.kill()
+        raise RuntimeError(f"the aggregator process did not start (exit code {proc.wait()})")
+    return proc, int(line.split()[1])
+
+
+def validated_at(out: IO[str]) -> float:
+    line = out.readline()
+    if not line.startswith("validated "):
+        raise RuntimeError(f"the aggregator process reported {line!r} instead of a validated push")
+    return float(line.split()[1])
 
 
 def median_range(values: list[float]) -> str:
@@ -103,22 +144,22 @@ def median_range(values: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions of raw copy, fetch and push")
+    ap.add_argument("--reps", type=int, default=9, help="interleaved repetitions of raw copy, fetch and push")
     ap.add_argument("--clients", type=int, default=1000)
     ap.add_argument("--pollers", type=int, default=16)
     ap.add_argument("--polls", type=int, default=3000)
+    ap.add_argument("--serve", metavar="URL", help=argparse.SUPPRESS)  # the aggregator process
     args = ap.parse_args()
+    if args.serve:
+        serve(args.serve)
+        return
     started = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="fedatoms-bench-"))
     url = f"sqlite:///{tmp / 'bench.db'}"
-    # fraction 1: every registered client joins round 1; one member never pushes, so it stays open
-    fed = FederationConfig(model="resnet18", num_classes=10, fraction=1.0, min_clients=2, rounds=5)
-    settings = AggregatorSettings(listen="127.0.0.1:0", database_url=url, federation=fed, deadline_seconds=3600)
-    store.upgrade(url)
-    coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
-    clock = PushClock()
-    server, port, _ = build_server(settings, coordinator)
-    server.start()
+    reuse_message_buffers()  # as `fedatoms client run` does
+    server, port = start_server(url)
+    assert server.stdout is not None
+    reports = server.stdout
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())  # the agent's channel
     stub = pb_grpc.AggregatorStub(channel)
     fetch_model, push_update = wire.fetch_model(channel), wire.push_update(channel)
@@ -158,11 +199,11 @@ def main() -> None:
             yield pb.PushMessage(header=header)
             yield from batches
 
-        t0 = time.perf_counter()
+        t0 = time.monotonic()  # the server's clock too (validated_at)
         reply = push_update(messages(), metadata=auths[i])
-        end = time.perf_counter()
+        end = time.monotonic()
         assert reply.accepted and not reply.duplicate, reply
-        return clock.validated_at - t0, end - t0
+        return validated_at(reports) - t0, end - t0
 
     def timed(fn: Callable[[], Any]) -> float:
         t0 = time.perf_counter()
@@ -172,12 +213,15 @@ def main() -> None:
     raw_s, fetch_s, push_t, push_e = [], [], [], []
     for rep in range(args.reps):
         raw_s.append(raw_copy_seconds(payload))
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         fetch_s.append(timed(fetch))
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         transport, end_to_end = push(1 + rep)  # client 0 never pushes: the round stays open
         push_t.append(transport)
         push_e.append(end_to_end)
         print(
-            f"  rep {rep + 1}/{args.reps}: raw {raw_s[-1] * 1e3:.0f} ms, fetch {fetch_s[-1] * 1e3:.0f} ms, "
+            f"  rep {rep + 1}/{args.reps}: raw {raw_s[-1] * 1e3:.0f} ms, "
+            f"fetch {fetch_s[-1] * 1e3:.0f} ms ({faults} page faults in this process), "
             f"push {transport * 1e3:.0f} ms received+validated / {end_to_end * 1e3:.0f} ms acknowledged",
             flush=True,
         )
@@ -203,10 +247,12 @@ def main() -> None:
     print()
 
     # -- GetTask with many registered clients
-    with coordinator._factory.begin() as s:  # enrol directly: PBKDF2 per Register is not measured here
+    engine = store.create_engine_for(url)  # enrol in the database: PBKDF2 per Register is not measured here
+    with store.session_factory(engine).begin() as s:
         fed_row = store.get_federation(s, "default")
         assert fed_row is not None
         tokens = [store.register_client(s, fed_row, {}, 1.0)[1] for _ in range(args.clients)]
+    engine.dispose()
     latencies: list[float] = []
 
     def poll(i: int) -> None:
@@ -223,7 +269,7 @@ def main() -> None:
     q = statistics.quantiles(latencies, n=100)
     print(f"GetTask     {args.polls / wall:7.0f} calls/s; p50 {q[49] * 1e3:.1f} ms, p99 {q[98] * 1e3:.1f} ms")
     channel.close()
-    server.stop(None)
+    server.communicate("")  # closes its stdin: it stops
     print(f"(total {time.perf_counter() - started:.0f} s)")
 
 

@@ -167,7 +167,9 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
 
     from client_agent.agent import Agent, ComputeSlot, RoundWatch
     from client_agent.transport import AggregatorClient
+    from fedatoms.allocator import reuse_message_buffers
 
+    reuse_message_buffers()
     torch.set_num_threads(job.torch_threads)
     clients = job.population.build()
     compute = ComputeSlot()  # one training (or evaluation) at a time per process; network waits overlap

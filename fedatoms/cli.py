@@ -355,11 +355,13 @@ def cmd_client_run(args: argparse.Namespace) -> int:
     from client_agent.pool import Population
     from client_agent.profile import declared_profile, measured_profile
     from client_agent.transport import AggregatorClient, Backoff
+    from fedatoms.allocator import reuse_message_buffers
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
     )
+    reuse_message_buffers()
     if not 0 <= args.partition_index < args.num_partitions:
         raise ValueError(f"--partition-index must be in [0, {args.num_partitions}), got {args.partition_index}")
     pop = Population(
