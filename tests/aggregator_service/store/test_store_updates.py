@@ -270,3 +270,67 @@ def test_push_racing_a_close_is_refused_not_lost(db, world):
         rnd = store.get_round(s, world.fed, 1)
         assert rnd is not None and (rnd.state, rnd.reported, rnd.stragglers) == ("closed", 1, 2)
         assert store.count_updates(s, world.fed, 1) == 0
+
+
+def _large_update() -> dict[str, np.ndarray]:
+    """Tensors on both sides of ``IN_PLACE_BYTES`` (and one exactly on it), random so any misplaced byte shows."""
+    rng = np.random.default_rng(7)
+    edge = store.repository.rounds.IN_PLACE_BYTES // 4
+    return {
+        "big": rng.standard_normal((3, edge // 2 + 5)).astype(np.float32),  # 1.5 MiB and a bit
+        "edge": rng.standard_normal(edge).astype(np.float32),  # exactly IN_PLACE_BYTES
+        "small": rng.standard_normal((4, 7)).astype(np.float32),
+        "ids": np.arange(10, dtype=np.int64),
+    }
+
+
+def test_large_tensors_read_back_exactly(db, world):
+    """On SQLite tensors of IN_PLACE_BYTES and more are written through a blob handle; both backends
+    return every byte (the store must not care how a row was written)."""
+    tensors = _large_update()
+    control = {"big": -tensors["big"]}
+    inserts: list[str] = []
+
+    def watch(conn, cursor, statement, parameters, context, executemany):
+        if statement.startswith("INSERT INTO update_tensors"):
+            inserts.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", watch)
+    try:
+        with db.factory.begin() as s:
+            store.store_update(s, world.fed, 1, world.clients[0], "u-large", 10, {}, tensors, control)
+    finally:
+        event.remove(db.engine, "before_cursor_execute", watch)
+    with db.factory() as s:
+        [(_, got, got_control)] = list(store.iter_round_updates(s, world.fed, 1))
+    assert set(got) == set(tensors)
+    for name, array in tensors.items():
+        assert got[name].dtype == array.dtype and got[name].tobytes() == array.tobytes(), name
+    assert got_control is not None and got_control["big"].tobytes() == control["big"].tobytes()
+    in_place = [x for x in inserts if "zeroblob" in x]
+    assert len(in_place) == (3 if db.backend == "sqlite" else 0)  # big, edge, control big
+
+
+def test_a_failed_in_place_write_stores_nothing(db, world):
+    """A write that fails after some tensors are in their rows rolls back with the whole update."""
+    if db.backend != "sqlite":
+        pytest.skip("only SQLite writes tensors through blob handles")
+    seen = []
+
+    def fail_second(conn, cursor, statement, parameters, context, executemany):
+        if "zeroblob" in statement:
+            seen.append(statement)
+            if len(seen) == 2:
+                raise RuntimeError("disk gone")
+
+    event.listen(db.engine, "before_cursor_execute", fail_second)
+    try:
+        with pytest.raises(RuntimeError, match="disk gone"):
+            with db.factory.begin() as s:
+                store.store_update(s, world.fed, 1, world.clients[0], "u-large", 10, {}, _large_update())
+    finally:
+        event.remove(db.engine, "before_cursor_execute", fail_second)
+    assert _stored(db, world) == []
+    with db.factory() as s:
+        assert s.scalar(select(func.count()).select_from(store.UpdateTensor)) == 0
+        assert s.scalar(select(func.count()).select_from(store.Update)) == 0
