@@ -11,7 +11,8 @@ replicas) get the settings each needs:
   and a transaction that reads and then writes cannot fail with ``SQLITE_BUSY`` half-way
   because another connection wrote in between — writers queue on the busy timeout instead.
   ``synchronous`` stays at SQLite's default (FULL), so an acknowledged update survives a
-  power cut, not only a crash.
+  power cut, not only a crash. A writer engine checkpoints the WAL from a thread of its own
+  (:mod:`.wal`), so no commit waits for a checkpoint.
 * **PostgreSQL**: ``pool_pre_ping`` so connections dropped by a database restart or a proxy
   are replaced transparently.
 
@@ -22,6 +23,7 @@ Migrations are Alembic revisions under ``migrations/`` run programmatically by
 from __future__ import annotations
 
 import uuid
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +36,8 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
+
+from .wal import WalCheckpointer
 
 __all__ = [
     "MIGRATIONS_DIR",
@@ -57,6 +61,7 @@ def create_engine_for(
     *,
     sqlite_busy_timeout_ms: int = 30_000,
     sqlite_begin: Literal["IMMEDIATE", "DEFERRED", "EXCLUSIVE"] = "IMMEDIATE",
+    sqlite_checkpoint: Literal["background", "commit"] | None = None,
     **kwargs: Any,
 ) -> Engine:
     """An engine configured for the store's backend; extra ``kwargs`` go to :func:`sqlalchemy.create_engine`.
@@ -65,24 +70,41 @@ def create_engine_for(
     takes the write lock at ``BEGIN``, which serializes this engine's transactions but makes
     every read-then-write transaction safe; a read-only consumer such as the dashboard may
     pass ``DEFERRED`` so its reads never wait for the aggregator's writes.
+
+    ``sqlite_checkpoint`` chooses who copies a SQLite file's WAL into the database: ``background``
+    (the default for ``IMMEDIATE`` and ``EXCLUSIVE`` engines, the writers) runs checkpoints in a
+    :class:`~.wal.WalCheckpointer` thread, so a commit returns as soon as its WAL frames are
+    durable; ``commit`` (the default for ``DEFERRED``) leaves them to SQLite's automatic
+    checkpoint inside the commit that takes the WAL past 1000 pages.
     """
     u = make_url(url)
     if u.get_backend_name() == "sqlite":
-        return _sqlite_engine(u, sqlite_busy_timeout_ms, sqlite_begin, kwargs)
+        checkpoint = sqlite_checkpoint or ("commit" if sqlite_begin == "DEFERRED" else "background")
+        return _sqlite_engine(u, sqlite_busy_timeout_ms, sqlite_begin, checkpoint, kwargs)
     kwargs.setdefault("pool_pre_ping", True)
     return create_engine(u, **kwargs)
 
 
-def _sqlite_engine(u: URL, busy_timeout_ms: int, begin: str, kwargs: dict[str, Any]) -> Engine:
+def _sqlite_engine(u: URL, busy_timeout_ms: int, begin: str, checkpoint: str, kwargs: dict[str, Any]) -> Engine:
     if begin not in ("IMMEDIATE", "DEFERRED", "EXCLUSIVE"):
         raise ValueError(f"sqlite_begin must be IMMEDIATE, DEFERRED or EXCLUSIVE, got {begin!r}")
+    if checkpoint not in ("background", "commit"):
+        raise ValueError(f"sqlite_checkpoint must be background or commit, got {checkpoint!r}")
     if busy_timeout_ms < 0:
         raise ValueError(f"sqlite_busy_timeout_ms must be ≥ 0, got {busy_timeout_ms}")
     connect_args = dict(kwargs.pop("connect_args", {}))
     connect_args.setdefault("check_same_thread", False)
-    if u.database in (None, "", ":memory:"):
+    in_memory = u.database in (None, "", ":memory:")
+    if in_memory:
         kwargs.setdefault("poolclass", StaticPool)  # one connection, or every checkout sees a new empty database
     engine = create_engine(u, connect_args=connect_args, **kwargs)
+    # a file's WAL, checkpointed off the commit path (memory databases and URI filenames have no such file)
+    checkpointer = None
+    if checkpoint == "background" and not in_memory and not u.query.get("uri"):
+        checkpointer = WalCheckpointer(u.database)  # type: ignore[arg-type]  # a str here
+        engine.wal_checkpointer = checkpointer  # type: ignore[attr-defined]  # for tests and operators
+        event.listen(engine, "engine_disposed", lambda _engine: checkpointer.stop())
+        weakref.finalize(engine, checkpointer.stop)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -95,8 +117,12 @@ def _sqlite_engine(u: URL, busy_timeout_ms: int, begin: str, kwargs: dict[str, A
             cursor.execute("PRAGMA journal_mode=WAL")
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+            if checkpointer is not None:
+                cursor.execute("PRAGMA wal_autocheckpoint=0")
         finally:
             cursor.close()
+        if checkpointer is not None:
+            checkpointer.start()
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
