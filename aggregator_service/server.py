@@ -72,6 +72,12 @@ def _rpc(fn: _F) -> _F:
     def wrapper(self: AggregatorServicer, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return fn(self, request, context)
+        except grpc.RpcError:
+            # a request stream's iterator raises this when the call ended under it: the client cancelled
+            # or broke off (a bad link), or gRPC refused a message. The client already has its status, and
+            # gRPC drops this error quietly: no server fault to log (the update, if any, stored nothing)
+            log.info(kv("rpc_ended_early", method=fn.__name__, peer=context.peer()))
+            raise
         except Exception as exc:
             if _is_abort(exc):
                 raise

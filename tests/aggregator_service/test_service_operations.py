@@ -38,6 +38,16 @@ def _signed(cwd: Path, name: str, usage: str, san: str | None) -> None:
     )  # fmt: skip
 
 
+def _ca(d: Path) -> None:
+    """A self-signed CA (``ca.key``, ``ca.pem``) in ``d``."""
+    _openssl(
+        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=fedatoms test CA",
+        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=d,
+    )  # fmt: skip
+
+
 @pytest.fixture
 def pki(tmp_path: Path) -> Path:
     """A throwaway CA, a server certificate for 127.0.0.1/localhost and a client certificate, made by openssl."""
@@ -45,12 +55,7 @@ def pki(tmp_path: Path) -> Path:
         pytest.skip("the openssl command-line tool is not installed: TLS service tests need it to make certificates")
     d = tmp_path / "pki"
     d.mkdir()
-    _openssl(
-        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=fedatoms test CA",
-        "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-        cwd=d,
-    )  # fmt: skip
+    _ca(d)
     _signed(d, "server", "serverAuth", "IP:127.0.0.1,DNS:localhost")
     _signed(d, "client", "clientAuth", None)
     _signed(d, "client2", "clientAuth", None)
