@@ -104,6 +104,10 @@ class Done:
     final_round: int
 
 
+class _LatePush(FailedPrecondition):
+    """A push for a round that is not open (see :meth:`Coordinator._refuse_late`)."""
+
+
 class PushResult(NamedTuple):
     accepted: bool
     duplicate: bool
@@ -587,25 +591,30 @@ class Coordinator:
     ) -> PushResult:
         """Validate and store one update; acknowledged only after the commit. Closes the round when complete."""
         clean_metrics = check_header(update_id, num_samples, metrics)
-        with self._lock:
-            op = self._open
-            if op is None or op.plan.round != round_:
-                current = f"round {op.plan.round} is open" if op else "no round is open"
-                raise FailedPrecondition(
-                    f"round {round_} is not open ({current}, last closed: {self.federation.round}); "
-                    "the update came too late or is for another round: poll GetTask for the current task"
+        try:
+            with self._lock:
+                op = self._open
+                if op is None or op.plan.round != round_:
+                    current = f"round {op.plan.round} is open" if op else "no round is open"
+                    raise _LatePush(
+                        f"round {round_} is not open ({current}, last closed: {self.federation.round}); "
+                        "the update came too late or is for another round: poll GetTask for the current task"
+                    )
+                if client.key not in op.plan.cohort:
+                    raise FailedPrecondition(f"client {client.id} is not in round {round_}'s cohort: poll GetTask")
+                spec = self.federation.tier_spec(client.tier)
+                due = self.federation.tier_due(client.tier, op.plan.due)
+                scaffold = bool(self.federation.strategy.client_config().get("scaffold"))
+                model, deltas = check_tensors(spec, round_, due, tensors, control_delta, scaffold=scaffold)
+                size = (
+                    nbytes if nbytes is not None else sum(a.nbytes for a in [*model.values(), *(deltas or {}).values()])
                 )
-            if client.key not in op.plan.cohort:
-                raise FailedPrecondition(f"client {client.id} is not in round {round_}'s cohort: poll GetTask")
-            spec = self.federation.tier_spec(client.tier)
-            due = self.federation.tier_due(client.tier, op.plan.due)
-            scaffold = bool(self.federation.strategy.client_config().get("scaffold"))
-            model, deltas = check_tensors(spec, round_, due, tensors, control_delta, scaffold=scaffold)
-            size = nbytes if nbytes is not None else sum(a.nbytes for a in [*model.values(), *(deltas or {}).values()])
-            if tensor_bytes is None:
-                tensor_bytes = {}
-                for n, a in [*model.items(), *(deltas or {}).items()]:
-                    tensor_bytes[n] = tensor_bytes.get(n, 0) + a.nbytes
+                if tensor_bytes is None:
+                    tensor_bytes = {}
+                    for n, a in [*model.items(), *(deltas or {}).items()]:
+                        tensor_bytes[n] = tensor_bytes.get(n, 0) + a.nbytes
+        except _LatePush as late:  # answered outside the lock: it writes
+            return self._refuse_late(client, round_, update_id, late)
 
         def write(s: Session) -> bool:
             return store.store_update(
@@ -621,7 +630,9 @@ class Coordinator:
             duplicate = self._writes.run(write)
         except store.UpdateConflict as exc:
             raise FailedPrecondition(f"{exc}; a retry must reuse the original update_id") from exc
-        except (store.RoundStateError, store.NotInCohort, store.NotFound) as exc:
+        except store.RoundStateError as exc:  # the round closed after the checks above: late after all
+            return self._refuse_late(client, round_, update_id, FailedPrecondition(f"{exc}: poll GetTask"))
+        except (store.NotInCohort, store.NotFound) as exc:
             raise FailedPrecondition(f"{exc}: poll GetTask for the current task") from exc
         finally:
             with self._transfers_lock:
@@ -641,6 +652,20 @@ class Coordinator:
                     self._close_logged("cohort_complete")
         note = "duplicate of an update already stored" if duplicate else f"stored {len(model)} tensors, {size} bytes"
         return PushResult(True, duplicate, round_, note)
+
+    def _refuse_late(self, client: ClientInfo, round_: int, update_id: str, refusal: FailedPrecondition) -> PushResult:
+        """A push for a round that is not open: a retry of an update that round consumed is a duplicate (its
+        acknowledgement was lost, then its push closed the round); anything else is refused, and a straggler's
+        push is counted in its round's ``late_pushes``."""
+
+        def write(s: Session) -> bool:
+            return store.refuse_late_push(s, self._fed_row, round_, client.id, update_id) is not None
+
+        if self._writes.run(write):
+            log.info(kv("update_stored", round=round_, client=client.id, duplicate=True, consumed=True))
+            return PushResult(True, True, round_, f"duplicate of an update consumed by round {round_}")
+        log.warning(kv("late_push_refused", round=round_, client=client.id, update_id=update_id))
+        raise refusal
 
     def _keep_decoded(
         self, round_: int, client_id: str, update_id: str, model: dict[str, Any], deltas: dict[str, Any] | None

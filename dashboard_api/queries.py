@@ -155,6 +155,7 @@ def _round_dict(rnd: store.Round, metrics: store.RoundMetrics | None, evals: dic
         "cohort_size": len(rnd.cohort or ()),
         "reported": rnd.reported,
         "stragglers": rnd.stragglers,
+        "late_pushes": rnd.late_pushes,
         "opened_at": rnd.opened_at,
         "closed_at": rnd.closed_at,
         "deadline": rnd.deadline,

@@ -67,7 +67,8 @@ class RoundOut(BaseModel):
     state: RoundState
     cohort_size: int
     reported: int
-    stragglers: int
+    stragglers: int = Field(description="cohort members that had not reported when the round closed")
+    late_pushes: int = Field(description="pushes refused because they arrived after the round closed")
     opened_at: datetime
     closed_at: datetime | None
     deadline: datetime

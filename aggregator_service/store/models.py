@@ -237,6 +237,8 @@ class Round(Base):
     closed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     reported: Mapped[int] = mapped_column(Integer, default=0)
     stragglers: Mapped[int] = mapped_column(Integer, default=0)
+    # pushes refused because this round had closed (or was abandoned) before they arrived
+    late_pushes: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
 
     def __repr__(self) -> str:
         return f"Round(federation_id={self.federation_id}, number={self.number}, state={self.state!r})"

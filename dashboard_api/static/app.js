@@ -309,6 +309,7 @@
       dotCell(tr, r.state, r.state);
       cell(tr, String(r.cohort_size));
       cell(tr, String(r.reported));
+      cell(tr, String(r.late_pushes));
       cell(tr, r.duration_seconds == null ? "–" : r.duration_seconds.toFixed(2) + " s");
       cell(tr, pct(r.test_accuracy));
       cell(tr, pct(r.mean_client_accuracy));

@@ -212,7 +212,13 @@ def snapshot(url: str) -> dict[str, Any]:
                 ),
                 "rounds": sorted(
                     s.execute(
-                        select(store.Round.number, store.Round.state, store.Round.reported, store.Round.stragglers)
+                        select(
+                            store.Round.number,
+                            store.Round.state,
+                            store.Round.reported,
+                            store.Round.stragglers,
+                            store.Round.late_pushes,
+                        )
                     ).all()
                 ),
                 "globals": sorted(s.execute(select(store.GlobalTensor.name, store.GlobalTensor.version)).all()),

@@ -162,6 +162,25 @@ def test_duplicate_update_id_is_acknowledged_and_counted_once(round_one) -> None
     assert a.task().wait.reason == "round 1 update received; waiting for the round to close"
     _, reply = b.round_trip()
     assert reply.accepted and svc.coordinator.open_round is None
-    with pytest.raises(grpc.RpcError) as info:  # a retry after the close is too late
+    # the round has closed: a retry (its acknowledgement lost) is still answered as the duplicate it is
+    closed = snapshot(svc.url)
+    retry = a.push(1, good, update_id=update_id)
+    assert (retry.accepted, retry.duplicate, retry.round) == (True, True, 1)
+    assert retry.message == "duplicate of an update consumed by round 1"
+    assert snapshot(svc.url) == closed  # not counted again, not a late push
+    # ... but another update for the closed round is a late push: refused, and counted in late_pushes
+    with pytest.raises(grpc.RpcError) as info:
+        a.push(1, good)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "round 1 is not open" in info.value.details()
+    after = snapshot(svc.url)
+    assert after["rounds"][0] == (*closed["rounds"][0][:4], 1)
+    assert {**after, "rounds": after["rounds"][1:]} == {**closed, "rounds": closed["rounds"][1:]}
+    # ids are remembered until the next round closes: then the retry is refused like any late push
+    for c in (a, b):
+        assert c.round_trip()[1].accepted
+    assert svc.coordinator.federation.round == 2
+    with pytest.raises(grpc.RpcError) as info:
         a.push(1, good, update_id=update_id)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert snapshot(svc.url)["rounds"][0] == (*closed["rounds"][0][:4], 2)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import grpc
 import pytest
 import torch
-from grpc_helpers import fill_keys, global_tensors, offline_round, register, shards, small_federation
+from grpc_helpers import fill_keys, global_tensors, offline_round, register, shards, small_federation, snapshot
 from sqlalchemy import select
 
 from aggregator_service import store
@@ -104,12 +105,38 @@ def test_deadline_closes_with_quorum(start_service, sqlite_url) -> None:
     served = global_tensors(sqlite_url)
     for name, tensor in offline.global_tensors.items():
         assert torch.allclose(served[name][0], tensor, atol=1e-6, rtol=0), name
-    # the straggler's late push is refused; it gets the next round's task instead
+    assert _round_counts(sqlite_url, 1) == ("closed", 2, 1, 0)  # reported, stragglers, late pushes
+    # the straggler's late push (a whole, valid update) is refused and counted, and changes nothing else
     late = clients[2]
-    with pytest.raises(Exception) as info:
-        late.push(1, {"head.bias": torch.zeros(10)})
-    assert "FAILED_PRECONDITION" in str(info.value) and "not open" in str(info.value)
-    assert late.task().train.round == 2
+    task = late.task()
+    assert task.train.round == 2  # its next task: round 2 is open now
+    late.fetch()
+    update = late.train(task).tensors
+    before = snapshot(sqlite_url)
+    with pytest.raises(grpc.RpcError) as info:
+        late.push(1, update)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "round 1 is not open" in info.value.details(), info.value.details()
+    after = snapshot(sqlite_url)
+    assert after["rounds"][0] == (1, "closed", 2, 1, 1)
+    assert {**after, "rounds": after["rounds"][1:]} == {**before, "rounds": before["rounds"][1:]}
+    # a client that was not in round 1's cohort, or a round that never opened, counts nothing
+    outsider = register(svc.stub, 1.0, shards(4, 60)[3])
+    for client, round_ in ((outsider, 1), (late, 7)):
+        with pytest.raises(grpc.RpcError) as info:
+            client.push(round_, {"head.bias": torch.zeros(10)})
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert _round_counts(sqlite_url, 1) == ("closed", 2, 1, 1)
+
+
+def _round_counts(url: str, number: int) -> tuple[str, int, int, int]:
+    engine = store.create_engine_for(url)
+    try:
+        with store.session_factory(engine)() as s:
+            rnd = s.scalars(select(store.Round).where(store.Round.number == number)).one()
+            return rnd.state, rnd.reported, rnd.stragglers, rnd.late_pushes
+    finally:
+        engine.dispose()
 
 
 def test_deadline_without_quorum_extends_once_then_abandons(start_service, sqlite_url) -> None:

@@ -63,6 +63,7 @@ from .reports import (
 )
 from .rounds import (
     abandon_round,
+    consume_round_updates,
     count_updates,
     delete_round_updates,
     extend_round,
@@ -71,6 +72,7 @@ from .rounds import (
     iter_round_updates,
     lock_round,
     open_round,
+    refuse_late_push,
     reported_clients,
     store_update,
 )
@@ -101,6 +103,7 @@ __all__ = [
     "certificate_sha256",
     "check_enrollment_secret",
     "close_round",
+    "consume_round_updates",
     "count_clients",
     "count_updates",
     "create_federation",
@@ -124,6 +127,7 @@ __all__ = [
     "record_evaluation",
     "record_transfer",
     "record_transfers",
+    "refuse_late_push",
     "register_client",
     "reported_clients",
     "revoke_client",

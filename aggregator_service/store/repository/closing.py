@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from ..models import TRANSFER_DIRECTIONS, Client, Federation, Round, RoundMetrics, TensorMetric, Transfer
 from ._common import _attached, _count, _finite, _json, _now, _upsert
-from .rounds import _open, delete_round_updates, reported_clients
+from .rounds import _open, consume_round_updates, reported_clients
 from .tensors import SERVER_CONTROL, _set_intervals, save_global_tensors, save_strategy_tensors, tensor_versions
 
 __all__ = [
@@ -213,7 +213,8 @@ def close_round(
     In order: new global tensors (name → (array, version, interval)); ``intervals`` (name →
     τ in force from the next round; every name must be a global tensor); strategy tensors;
     the round's reporting counts (``reported``, ``stragglers``, each reporter's
-    ``rounds_joined``); deletion of the consumed updates; the round marked closed; one
+    ``rounds_joined``); the consumed updates' tensors deleted (their headers kept until the next close,
+    :func:`consume_round_updates`); the round marked closed; one
     ``round_metrics`` row (keys from :data:`ROUND_METRIC_FIELDS`; ``duration_seconds``
     defaults to close − open, ``bytes_up``/``bytes_down`` to the round's transfer totals);
     ``tensor_metrics`` rows (keys from :data:`TENSOR_METRIC_FIELDS`, ``ordinal`` defaults to
@@ -250,7 +251,7 @@ def close_round(
     reporters = reported_clients(session, row, round_number)
     if reporters:
         session.execute(update(Client).where(Client.id.in_(reporters)).values(rounds_joined=Client.rounds_joined + 1))
-    delete_round_updates(session, row, round_number)
+    consume_round_updates(session, row, round_number)
     rnd.reported = len(reporters)
     rnd.stragglers = len(set(rnd.cohort) - set(reporters))
     rnd.state = "closed"

@@ -29,6 +29,7 @@ from ._common import (
 
 __all__ = [
     "abandon_round",
+    "consume_round_updates",
     "count_updates",
     "delete_round_updates",
     "extend_round",
@@ -37,6 +38,7 @@ __all__ = [
     "iter_round_updates",
     "lock_round",
     "open_round",
+    "refuse_late_push",
     "reported_clients",
     "store_update",
 ]
@@ -372,6 +374,54 @@ def reported_clients(session: Session, fed: Federation, round: int) -> list[str]
             .order_by(Update.client_id)
         )
     )
+
+
+def consume_round_updates(session: Session, fed: Federation, round: int) -> None:
+    """What a close does to the updates it folded: their tensors go, their headers stay until the next close.
+
+    A client whose acknowledgement was lost retries with the same ``update_id``; if its update
+    was the one that completed the cohort, the round has closed by then, and the header left
+    here lets :func:`refuse_late_push` answer it as a duplicate instead of a refusal. Headers of
+    earlier rounds are deleted, so the table holds at most one closed round's headers.
+    """
+    ids = select(Update.id).where(Update.federation_id == fed.id, Update.round == round)
+    session.execute(
+        delete(UpdateTensor).where(UpdateTensor.update_pk.in_(ids)).execution_options(synchronize_session=False)
+    )
+    session.execute(
+        delete(Update)
+        .where(Update.federation_id == fed.id, Update.round < round)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def refuse_late_push(session: Session, fed: Federation, round: int, client_id: str, update_id: str) -> Update | None:
+    """A push for ``round``, which is not open: the consumed update it repeats, else ``None`` once it is counted.
+
+    ``round``'s ``late_pushes`` counts the push when that round has closed or was abandoned and
+    ``client_id`` was in its cohort (a straggler); a round not open yet, or another client's,
+    counts nothing. A retry of an update that ``round`` consumed (same ``update_id``, client and
+    round, its header kept by :func:`consume_round_updates`) counts nothing either.
+    """
+    try:
+        rnd = lock_round(session, fed, round)
+    except NotFound:
+        return None
+    if rnd.state == "closed":
+        pk = session.scalar(
+            select(Update.id).where(
+                Update.federation_id == fed.id,
+                Update.update_id == update_id,
+                Update.client_id == client_id,
+                Update.round == round,
+            )
+        )
+        if pk is not None:
+            return session.get(Update, pk)
+    if rnd.state in ("closed", "abandoned") and client_id in rnd.cohort:
+        rnd.late_pushes += 1
+        session.flush()
+    return None
 
 
 def delete_round_updates(session: Session, fed: Federation, round: int) -> int:

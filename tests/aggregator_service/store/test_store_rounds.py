@@ -80,7 +80,8 @@ def test_close_round_writes_everything(db, world):
         assert rnd is not None
         assert (rnd.state, rnd.reported, rnd.stragglers) == ("closed", 2, 1)
         assert rnd.closed_at == world.t0 + timedelta(seconds=90)
-        assert store.count_updates(s, world.fed, 1) == 0
+        # the consumed updates' tensors are gone; their headers stay until the next close (late retries)
+        assert store.count_updates(s, world.fed, 1) == 2
         assert s.scalar(select(func.count()).select_from(store.UpdateTensor)) == 0
         tensors = store.load_global_tensors(s, world.fed)
         np.testing.assert_array_equal(tensors["w"][0], W0 + 0.5)
@@ -127,7 +128,7 @@ def test_close_round_is_atomic_when_the_caller_fails_after_it(db, world):
     with pytest.raises(RuntimeError, match="crash"):
         with db.factory.begin() as s:
             store.close_round(s, world.fed, 1, **_close_kwargs(world))
-            assert store.count_updates(s, world.fed, 1) == 0  # written, inside the transaction
+            assert s.scalar(select(func.count()).select_from(store.UpdateTensor)) == 0  # written, not committed
             raise RuntimeError("crash before commit")
     assert _snapshot(db, world) == before
 
@@ -253,3 +254,51 @@ def test_evaluations(db, world):
         client_a, client_b = store.get_client(s, a), store.get_client(s, b)
         assert client_a is not None and client_b is not None
         assert (client_a.last_accuracy, client_b.last_accuracy) == (0.7, 0.8)
+
+
+def _late_pushes(db, world, number: int) -> int:
+    with db.factory() as s:
+        rnd = store.get_round(s, world.fed, number)
+        assert rnd is not None
+        return rnd.late_pushes
+
+
+def test_late_pushes_are_counted_and_a_consumed_update_answers_its_retry(db, world):
+    """A close keeps its updates' headers (not their tensors) until the next close: a retry of a consumed
+    update finds it; any other push of a cohort member to the closed round is counted as late."""
+    _seed_round(db, world)
+    a, b, c = world.clients
+    with db.factory.begin() as s:
+        store.close_round(s, world.fed, 1, **_close_kwargs(world))
+    with db.factory.begin() as s:
+        consumed = store.refuse_late_push(s, world.fed, 1, a, "u0")
+        assert consumed is not None and (consumed.client_id, consumed.round, consumed.num_samples) == (a, 1, 10)
+        assert store.refuse_late_push(s, world.fed, 1, b, "u0") is None  # a's id, b's push: not the same update
+        assert store.refuse_late_push(s, world.fed, 1, c, "u-late") is None  # the straggler
+        assert store.refuse_late_push(s, world.fed, 1, "not-in-the-cohort", "u-x") is None  # counts nothing
+        assert store.refuse_late_push(s, world.fed, 9, c, "u-y") is None  # no such round: counts nothing
+    assert _late_pushes(db, world, 1) == 2
+
+    # round 2 closes: round 1's headers go, so the retry is late now; round 2's headers stay
+    with db.factory.begin() as s:
+        store.open_round(s, world.fed, 2, [a, c], ["w"], False, world.t0 + timedelta(hours=1), now=world.t0)
+        store.store_update(s, world.fed, 2, c, "u2", 5, {}, {"w": W0}, None)
+        store.close_round(s, world.fed, 2, **_close_kwargs(world, next_round=3, transfers=[]))
+    with db.factory.begin() as s:
+        assert store.count_updates(s, world.fed, 1) == 0 and store.count_updates(s, world.fed, 2) == 1
+        assert store.refuse_late_push(s, world.fed, 1, a, "u0") is None
+        assert store.refuse_late_push(s, world.fed, 2, c, "u2") is not None
+        assert store.refuse_late_push(s, world.fed, 2, a, "u-late-2") is None  # round 2's straggler
+    assert (_late_pushes(db, world, 1), _late_pushes(db, world, 2)) == (3, 1)
+
+
+def test_an_abandoned_round_keeps_no_headers_and_counts_late_pushes(db, world):
+    _seed_round(db, world)
+    a, _, c = world.clients
+    with db.factory.begin() as s:
+        store.abandon_round(s, world.fed, 1, now=world.t0)
+    with db.factory.begin() as s:
+        assert store.count_updates(s, world.fed, 1) == 0
+        assert store.refuse_late_push(s, world.fed, 1, a, "u0") is None  # never aggregated: no duplicate
+        assert store.refuse_late_push(s, world.fed, 1, c, "u-late") is None
+    assert _late_pushes(db, world, 1) == 2
