@@ -9,7 +9,9 @@ deployment does. On 127.0.0.1, payload = the resnet18 model's tensors as they tr
 
 - **raw copy**: the same payload bytes, from one contiguous buffer, through a plain TCP socket
   in 1 MiB ``sendall`` writes into a fresh receive buffer (``recv_into``), until the receiver
-  acknowledges. This moves every byte once and is the reference (1.0×).
+  acknowledges. This moves every byte once and is the reference (1.0×). (A receive buffer from
+  ``np.empty``, with huge pages like the Reassembler's, made this copy no faster here: medians of
+  31-61 ms against 27-31 ms, interleaved.)
 - **FetchModel**: the call until the client holds the decoded arrays (``wire.fetch_model``, whose
   batches' chunks are parsed in place, + ``codec.Reassembler`` + ``finish()``, as ``client_agent``
   does).
@@ -21,9 +23,12 @@ deployment does. On 127.0.0.1, payload = the resnet18 model's tensors as they tr
   The push's batches are built before the clock starts (``wire.push_messages``; client-side
   encoding is printed apart).
 
-The three transfers run interleaved ``--reps`` times (each push from another cohort member, so
+The transfers run interleaved ``--reps`` times (each push from another cohort member, so
 every push really stores); ratios are per repetition, and the table shows their median (and
 range), so load from other processes on a shared machine hits both sides of a ratio alike.
+Each transfer starts once the aggregator process has been idle for 0.25 s: the WAL checkpoint it
+runs after a push, off the commit path, would otherwise land in the next transfer but never in
+the raw copy (its CPU is printed instead).
 Target: ≥ 0.5× for FetchModel and PushUpdate. Then GetTask latency (p50/p99) and rate with
 ``--clients`` registered clients polling from ``--pollers`` threads.
 
@@ -33,6 +38,7 @@ Target: ≥ 0.5× for FetchModel and PushUpdate. Then GetTask latency (p50/p99) 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import socket
 import statistics
@@ -138,6 +144,32 @@ def validated_at(out: IO[str]) -> float:
     return float(line.split()[1])
 
 
+def settle(pid: int, quiet: float = 0.25, limit: float = 5.0) -> float:
+    """Wait until the aggregator process has used no CPU for ``quiet`` seconds; returns the CPU seconds it used
+    meanwhile. Work it does after an acknowledgement (the WAL checkpoint, off the commit path) would otherwise
+    land in the next timed transfer but never in the raw copy it is compared with (Linux; elsewhere no wait)."""
+    stat = Path(f"/proc/{pid}/stat")
+    if not stat.exists():
+        return 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu() -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    start = last = cpu()
+    quiet_since = time.monotonic()
+    deadline = quiet_since + limit
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        now = cpu()
+        if now != last:
+            last, quiet_since = now, time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet:
+            break
+    return last - start
+
+
 def median_range(values: list[float]) -> str:
     return f"{statistics.median(values):5.2f}x ({min(values):.2f}–{max(values):.2f})"
 
@@ -210,19 +242,24 @@ def main() -> None:
         fn()
         return time.perf_counter() - t0
 
-    raw_s, fetch_s, push_t, push_e = [], [], [], []
+    raw_s, fetch_s, push_t, push_e, after_push = [], [], [], [], []
     for rep in range(args.reps):
+        settle(server.pid)
         raw_s.append(raw_copy_seconds(payload))
+        settle(server.pid)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         fetch_s.append(timed(fetch))
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        settle(server.pid)
         transport, end_to_end = push(1 + rep)  # client 0 never pushes: the round stays open
         push_t.append(transport)
         push_e.append(end_to_end)
+        after_push.append(settle(server.pid))
         print(
             f"  rep {rep + 1}/{args.reps}: raw {raw_s[-1] * 1e3:.0f} ms, "
             f"fetch {fetch_s[-1] * 1e3:.0f} ms ({faults} page faults in this process), "
-            f"push {transport * 1e3:.0f} ms received+validated / {end_to_end * 1e3:.0f} ms acknowledged",
+            f"push {transport * 1e3:.0f} ms received+validated / {end_to_end * 1e3:.0f} ms acknowledged, "
+            f"then {after_push[-1] * 1e3:.0f} ms of aggregator CPU after the acknowledgement",
             flush=True,
         )
 
@@ -242,7 +279,8 @@ def main() -> None:
     commit = statistics.median(e - t for e, t in zip(push_e, push_t, strict=True))
     print(
         f"(PushUpdate after validation: SQLite insert of {nbytes / 1e6:.0f} MB + fsync'd commit + ack: "
-        f"{commit * 1e3:.0f} ms)"
+        f"{commit * 1e3:.0f} ms; then the aggregator's CPU after the ack, its WAL checkpoint off the commit path: "
+        f"{statistics.median(after_push) * 1e3:.0f} ms)"
     )
     print()
 

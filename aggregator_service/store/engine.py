@@ -37,7 +37,7 @@ from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
-from .wal import WalCheckpointer
+from .wal import BACKSTOP_PAGES, WalCheckpointer
 
 __all__ = [
     "MIGRATIONS_DIR",
@@ -118,7 +118,7 @@ def _sqlite_engine(u: URL, busy_timeout_ms: int, begin: str, checkpoint: str, kw
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
             if checkpointer is not None:
-                cursor.execute("PRAGMA wal_autocheckpoint=0")
+                cursor.execute(f"PRAGMA wal_autocheckpoint={BACKSTOP_PAGES}")
         finally:
             cursor.close()
         if checkpointer is not None:

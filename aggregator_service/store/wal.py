@@ -7,27 +7,35 @@ only after its commit, so with resnet18 (45 MB an update) every other push waite
 for a checkpoint: acknowledged in 127 ms at the median instead of ~75 (benchmarks/transport.py,
 this machine).
 
-A writer engine of the store therefore turns automatic checkpoints off on its connections and
-gives the work to a :class:`WalCheckpointer`: a daemon thread with its own connection that runs
-``PRAGMA wal_checkpoint(PASSIVE)`` whenever the WAL file has changed, at most every
-``interval`` seconds. A passive checkpoint waits for no reader and no writer, so commits
-never wait for it, and it copies what SQLite's own would have: the WAL stays as bounded as
-before (a reader pinning an old snapshot stalls both alike), and SQLite resets it to its start
-once everything is copied. Each engine starts its thread on its first connection and stops it
-when it is disposed or collected.
+A writer engine of the store therefore moves the automatic checkpoint out of reach
+(:data:`BACKSTOP_PAGES`) and gives the work to a :class:`WalCheckpointer`: a daemon thread with
+its own connection, at the lowest CPU priority, that runs ``PRAGMA wal_checkpoint(PASSIVE)``
+whenever the WAL file has changed, at most every ``interval`` seconds. A passive checkpoint
+waits for no reader and no writer, so commits never wait for it, and it copies what SQLite's
+own would have: the WAL stays as bounded as before (a reader pinning an old snapshot stalls
+both alike), and SQLite resets it to its start once everything is copied. Each engine starts
+its thread on its first connection and stops it when it is disposed or collected.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sqlite3
+import sys
 import threading
 from pathlib import Path
 
 __all__ = ["WalCheckpointer"]
 
 log = logging.getLogger(__name__)
+
+# maintenance yields to serving: the thread runs at the lowest priority (Linux: its own nice value)
+NICE = 19
+# a commit still checkpoints, as SQLite would, once the WAL has this many pages (4× SQLite's default: 256 MB at
+# the store's 64 KiB pages): should the thread ever fall that far behind, the WAL stays bounded all the same
+BACKSTOP_PAGES = 4000
 
 
 class WalCheckpointer:
@@ -76,6 +84,9 @@ class WalCheckpointer:
         return (frames, copied) if not busy else (frames, -1)
 
     def _run(self, stopped: threading.Event) -> None:
+        if sys.platform.startswith("linux"):  # a thread's own nice value (elsewhere it would be the process's)
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
         conn: sqlite3.Connection | None = None
         seen: tuple[int, int] | None = None  # (mtime, size) of the WAL when it was last checkpointed in full
         try:
