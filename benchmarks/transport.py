@@ -7,11 +7,12 @@ one GIL, would charge the client for the server's Python and the other way round
 deployment does. On 127.0.0.1, payload = the resnet18 model's tensors as they travel (float32,
 ≈45 MB, cut into ≤ 1 MiB chunks packed into ≤ 1 MiB batches):
 
-- **raw copy**: the same payload bytes, from one contiguous buffer, through a plain TCP socket
-  in 1 MiB ``sendall`` writes into a fresh receive buffer (``recv_into``), until the receiver
-  acknowledges. This moves every byte once and is the reference (1.0×). (A receive buffer from
-  ``np.empty``, with huge pages like the Reassembler's, made this copy no faster here: medians of
-  31-61 ms against 27-31 ms, interleaved.)
+- **raw copy**: the same payload bytes through a plain TCP socket between the same two processes,
+  in 1 MiB ``sendall`` writes into a fresh receive buffer (``recv_into`` a ``bytearray``), in each
+  transfer's direction: from the aggregator into this process (FetchModel's reference), and from
+  this process into the aggregator until it acknowledges (PushUpdate's). This moves every byte
+  once and is the reference (1.0×). (A receive buffer from ``np.empty``, with huge pages like the
+  Reassembler's, made this copy no faster here: medians of 31-61 ms against 27-31 ms.)
 - **FetchModel**: the call until the client holds the decoded arrays (``wire.fetch_model``, whose
   batches' chunks are parsed in place, + ``codec.Reassembler`` + ``finish()``, as ``client_agent``
   does).
@@ -32,16 +33,22 @@ the raw copy (its CPU is printed instead).
 Target: ≥ 0.5× for FetchModel and PushUpdate. Then GetTask latency (p50/p99) and rate with
 ``--clients`` registered clients polling from ``--pollers`` threads.
 
-    .venv/bin/python benchmarks/transport.py [--reps 9] [--clients 1000] [--pollers 16] [--polls 3000]
+On this 2-core machine both processes share the cores; ``--pin`` gives each one its own core (as two
+machines would, though with one core each).
+
+    .venv/bin/python benchmarks/transport.py [--reps 9] [--clients 1000] [--pollers 16] [--polls 3000] [--pin]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
+import shutil
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -67,34 +74,71 @@ from fedatoms.v1 import aggregator_pb2 as pb
 from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
 from fedcore import codec
 
+_RAW_REQUEST = struct.Struct("!cQ")  # b"G": the aggregator sends n bytes; b"P": it receives n bytes
 
-def raw_copy_seconds(payload: bytes) -> float:
-    """Seconds to move ``payload`` once through loopback TCP: 1 MiB writes, ``recv_into`` a fresh buffer, ack."""
-    nbytes = len(payload)
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
 
-    def sink() -> None:
-        conn, _ = server.accept()
-        buf = memoryview(bytearray(nbytes))  # where the bytes must land, like the receiver's tensors
-        got = 0
-        while got < nbytes:
-            got += conn.recv_into(buf[got:], min(nbytes - got, 1 << 20))
-        conn.sendall(b"k")
-        conn.close()
+def _recv_exactly(conn: socket.socket, nbytes: int) -> bytearray:
+    """Receive ``nbytes`` into a fresh buffer, as a plain receiver would (``bytearray``: 4 KiB pages)."""
+    buf = bytearray(nbytes)  # where the bytes must land, like the receiver's tensors
+    view, got = memoryview(buf), 0
+    while got < nbytes:
+        n = conn.recv_into(view[got:], min(nbytes - got, 1 << 20))
+        if not n:
+            raise ConnectionError(f"raw copy: the peer closed after {got} of {nbytes} bytes")
+        got += n
+    return buf
 
-    thread = threading.Thread(target=sink, daemon=True)
-    thread.start()
-    view = memoryview(payload)
-    with socket.create_connection(("127.0.0.1", port)) as c:
+
+def _send_all(conn: socket.socket, payload: memoryview) -> None:
+    for off in range(0, len(payload), 1 << 20):
+        conn.sendall(payload[off : off + (1 << 20)])
+
+
+def raw_copy_server() -> int:
+    """In the aggregator process: a plain TCP peer for the raw copies; returns its port. It sends back the
+    bytes it last received (the benchmark sends the payload once first)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = bytearray()
+
+    def run() -> None:
+        nonlocal held
+        while True:
+            conn, _ = listener.accept()
+            with conn:
+                op, nbytes = _RAW_REQUEST.unpack(conn.recv(_RAW_REQUEST.size, socket.MSG_WAITALL))
+                if op == b"G":
+                    _send_all(conn, memoryview(held)[:nbytes])
+                else:
+                    held = _recv_exactly(conn, nbytes)
+                    conn.sendall(b"k")
+
+    threading.Thread(target=run, name="raw-copy", daemon=True).start()
+    return int(listener.getsockname()[1])
+
+
+def raw_copy_seconds(port: int, payload: bytes, op: bytes) -> float:
+    """Seconds to move ``payload``'s bytes once through loopback TCP between this process and the aggregator's:
+    ``G`` from the aggregator into a fresh buffer here (FetchModel's direction), ``P`` from here into a fresh
+    buffer there, until it acknowledges (PushUpdate's)."""
+    with socket.create_connection(("127.0.0.1", port)) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         t0 = time.perf_counter()
-        for off in range(0, nbytes, 1 << 20):
-            c.sendall(view[off : off + (1 << 20)])
-        c.recv(1)
-        seconds = time.perf_counter() - t0
-    thread.join()
-    server.close()
-    return seconds
+        conn.sendall(_RAW_REQUEST.pack(op, len(payload)))
+        if op == b"G":
+            _recv_exactly(conn, len(payload))
+        else:
+            _send_all(conn, memoryview(payload))
+            if conn.recv(1) != b"k":
+                raise ConnectionError("raw copy: no acknowledgement")
+        return time.perf_counter() - t0
+
+
+def pin(cpu: int, pid: int = 0) -> None:
+    """Every thread of process ``pid`` (0: this one) on ``cpu``; threads started later inherit it."""
+    tasks = Path(f"/proc/{pid or os.getpid()}/task")
+    for tid in [int(t) for t in os.listdir(tasks)] if tasks.exists() else [0]:
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(tid, {cpu})
 
 
 def settings_for(url: str) -> AggregatorSettings:
@@ -120,21 +164,29 @@ def serve(url: str) -> None:
     coordinator_module.check_tensors = timed  # type: ignore[assignment]  # push() looks it up per call
     server, port, _ = build_server(settings, coordinator)
     server.start()
-    print(f"port {port}", flush=True)
+    raw_port = raw_copy_server()
+    print(f"port {port} {raw_port}", flush=True)
     sys.stdin.read()  # until the benchmark exits or closes our stdin
     server.stop(None)
 
 
-def start_server(url: str) -> tuple[subprocess.Popen[str], int]:
+def start_server(url: str, cpu: int | None = None) -> tuple[subprocess.Popen[str], int, int]:
+    """The aggregator process, pinned to ``cpu`` (before it starts a thread) unless ``None``: its gRPC and raw
+    ports."""
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--serve", url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, __file__, "--serve", url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=None if cpu is None else lambda: os.sched_setaffinity(0, {cpu}),
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith("port "):
         proc.kill()
         raise RuntimeError(f"the aggregator process did not start (exit code {proc.wait()})")
-    return proc, int(line.split()[1])
+    _, port, raw_port = line.split()
+    return proc, int(port), int(raw_port)
 
 
 def validated_at(out: IO[str]) -> float:
@@ -180,16 +232,32 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=1000)
     ap.add_argument("--pollers", type=int, default=16)
     ap.add_argument("--polls", type=int, default=3000)
+    ap.add_argument("--pin", action="store_true", help="the aggregator and this client on a core each")
     ap.add_argument("--serve", metavar="URL", help=argparse.SUPPRESS)  # the aggregator process
     args = ap.parse_args()
     if args.serve:
         serve(args.serve)
         return
-    started = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="fedatoms-bench-"))
+    try:
+        run(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # ~0.4 GB of stored updates
+
+
+def run(args: argparse.Namespace, tmp: Path) -> None:
+    started = time.perf_counter()
     url = f"sqlite:///{tmp / 'bench.db'}"
     reuse_message_buffers()  # as `fedatoms client run` does
-    server, port = start_server(url)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pinned = args.pin and len(cpus) >= 2
+    if pinned:  # a core each, like an aggregator and a device on two machines, though with one core each
+        pin(cpus[1])
+    server, port, raw_port = start_server(url, cpus[0] if pinned else None)
+    print(
+        f"aggregator on CPU {cpus[0]}, client on CPU {cpus[1]}" if pinned else "processes not pinned to cores",
+        flush=True,
+    )
     assert server.stdout is not None
     reports = server.stdout
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())  # the agent's channel
@@ -219,6 +287,7 @@ def main() -> None:
     encode_s = time.perf_counter() - t0
     payload = b"".join(codec.encode(tensors[name]).data for name in due)
     nbytes = len(payload)
+    raw_copy_seconds(raw_port, payload, b"P")  # the aggregator's raw peer now holds the payload to send back
     print(
         f"resnet18: {len(due)} tensors, {nbytes / 1e6:.1f} MB float32 in {len(batches)} batches of ≤ 1 MiB; "
         f"client-side encode+frame {encode_s * 1e3:.0f} ms (not in the push timings)",
@@ -242,10 +311,12 @@ def main() -> None:
         fn()
         return time.perf_counter() - t0
 
-    raw_s, fetch_s, push_t, push_e, after_push = [], [], [], [], []
+    raw_s, raw_up_s, fetch_s, push_t, push_e, after_push = [], [], [], [], [], []
     for rep in range(args.reps):
         settle(server.pid)
-        raw_s.append(raw_copy_seconds(payload))
+        raw_s.append(raw_copy_seconds(raw_port, payload, b"G"))
+        settle(server.pid)
+        raw_up_s.append(raw_copy_seconds(raw_port, payload, b"P"))
         settle(server.pid)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         fetch_s.append(timed(fetch))
@@ -256,15 +327,15 @@ def main() -> None:
         push_e.append(end_to_end)
         after_push.append(settle(server.pid))
         print(
-            f"  rep {rep + 1}/{args.reps}: raw {raw_s[-1] * 1e3:.0f} ms, "
+            f"  rep {rep + 1}/{args.reps}: raw {raw_s[-1] * 1e3:.0f} ms down, {raw_up_s[-1] * 1e3:.0f} ms up, "
             f"fetch {fetch_s[-1] * 1e3:.0f} ms ({faults} page faults in this process), "
             f"push {transport * 1e3:.0f} ms received+validated / {end_to_end * 1e3:.0f} ms acknowledged, "
             f"then {after_push[-1] * 1e3:.0f} ms of aggregator CPU after the acknowledgement",
             flush=True,
         )
 
-    def row(label: str, seconds: list[float]) -> str:
-        ratios = [r / s for r, s in zip(raw_s, seconds, strict=True)]
+    def row(label: str, seconds: list[float], raw: list[float]) -> str:
+        ratios = [r / s for r, s in zip(raw, seconds, strict=True)]
         med = statistics.median(seconds)
         return f"{label:<52} {med * 1e3:8.0f} {nbytes / med / 1e6:8.0f}   {median_range(ratios)}"
 
@@ -272,10 +343,11 @@ def main() -> None:
     print(
         f"{'path (median of ' + str(args.reps) + ' interleaved reps)':<52} {'ms':>8} {'MB/s':>8}   ratio to raw (range)"
     )
-    print(row("raw loopback TCP copy (reference)", raw_s))
-    print(row("FetchModel: stream → decoded arrays", fetch_s) + "   target ≥ 0.5x")
-    print(row("PushUpdate transport only: received+validated", push_t) + "   target ≥ 0.5x")
-    print(row("PushUpdate end to end: + durable commit, ack", push_e))
+    print(row("raw TCP copy, aggregator → client (reference)", raw_s, raw_s))
+    print(row("FetchModel: stream → decoded arrays", fetch_s, raw_s) + "   target ≥ 0.5x")
+    print(row("raw TCP copy, client → aggregator (reference)", raw_up_s, raw_up_s))
+    print(row("PushUpdate transport only: received+validated", push_t, raw_up_s) + "   target ≥ 0.5x")
+    print(row("PushUpdate end to end: + durable commit, ack", push_e, raw_up_s))
     commit = statistics.median(e - t for e, t in zip(push_e, push_t, strict=True))
     print(
         f"(PushUpdate after validation: SQLite insert of {nbytes / 1e6:.0f} MB + fsync'd commit + ack: "
