@@ -1,4 +1,5 @@
-"""Crash safety: a SIGKILLed aggregator restarted on its database finishes the open round with the same result."""
+"""Real server processes: a SIGKILLed aggregator restarted on its database finishes the open round with the same
+result; a round closes at its deadline by the server's own clock."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
+import pytest
 import torch
 from grpc_helpers import (
     SECRET,
@@ -21,7 +24,9 @@ from grpc_helpers import (
     small_federation,
     wait_serving,
 )
+from sqlalchemy import select
 
+from aggregator_service import store
 from aggregator_service.rounds import RoundPlan
 from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
 
@@ -113,3 +118,56 @@ def test_sigkill_mid_round_then_restart_completes_the_round(tmp_path) -> None:
         assert served[name][1] == 1
         assert torch.allclose(served[name][0], tensor, atol=1e-6, rtol=0), name
     assert "event=federation_loaded" in log.read_text() and "event=stopped" in log.read_text()
+
+
+def test_a_real_server_closes_the_round_at_its_deadline_with_the_quorum(tmp_path) -> None:
+    """``fedatoms aggregator serve`` with a 3 s deadline: two of three cohort members report, the third never
+    does; the server's own deadline ticker closes the round with the two (no injected clock), and the
+    straggler's late push is then refused and counted."""
+    config = tmp_path / "federation.toml"
+    config.write_text(TOML.replace("deadline_seconds = 600", "deadline_seconds = 3"))
+    url = f"sqlite:///{tmp_path / 'fedatoms.db'}"
+    port, log = free_port(), tmp_path / "server.log"
+    proc = _serve(config, port, url, log)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        stub = pb_grpc.AggregatorStub(channel)
+        clients = [register(stub, t, d) for t, d in zip([1.0, 0.25, 0.25], shards(3, 80), strict=True)]
+        tasks = [c.task() for c in clients]
+        assert all(t.train.round == 1 for t in tasks)
+        opened = time.monotonic()
+        for c, task in zip(clients[:2], tasks, strict=False):
+            c.fetch()
+            push = c.train(task)
+            assert c.push(1, push.tensors, num_samples=push.num_samples).accepted
+        straggler = clients[2]
+        straggler.fetch()
+        late = straggler.train(tasks[2])
+        deadline = time.monotonic() + 30
+        while clients[0].task().WhichOneof("kind") != "train":  # waits until round 2 opens
+            assert time.monotonic() < deadline, f"round 1 never closed:\n{log.read_text()}"
+            time.sleep(0.1)
+        assert time.monotonic() - opened >= 2.5  # closed by its deadline (3 s), not by the reports
+        with pytest.raises(grpc.RpcError) as info:
+            straggler.push(1, late.tensors, num_samples=late.num_samples)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+        channel.close()
+
+    engine = store.create_engine_for(url)
+    try:
+        with store.session_factory(engine)() as s:
+            rnd = s.scalars(select(store.Round).where(store.Round.number == 1)).one()
+            assert (rnd.state, rnd.reported, rnd.stragglers, rnd.late_pushes) == ("closed", 2, 1, 1)
+    finally:
+        engine.dispose()
+    fed_config = small_federation(min_clients=3, rounds=2)
+    fill_keys(url, clients)
+    cohort = tuple(sorted(c.key for c in clients))
+    offline = offline_round(fed_config, RoundPlan(1, cohort, tuple(fed_config.spec.names), False), clients[:2], 3)
+    served = global_tensors(url)
+    for name, tensor in offline.global_tensors.items():
+        assert torch.allclose(served[name][0], tensor, atol=1e-6, rtol=0), name
+    assert "event=late_push_refused" in log.read_text()
