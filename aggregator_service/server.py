@@ -56,10 +56,13 @@ def _is_abort(exc: Exception) -> bool:
 
 
 def _handle(context: grpc.ServicerContext, exc: Exception, method: str) -> NoReturn:
+    code: grpc.StatusCode | None = None
     if isinstance(exc, ServiceError):
-        _abort(context, getattr(grpc.StatusCode, exc.code), exc.message)
-    if isinstance(exc, codec.CodecError):
+        code = getattr(grpc.StatusCode, exc.code)
+    elif isinstance(exc, codec.CodecError):
         code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.kind == "too_large" else grpc.StatusCode.INVALID_ARGUMENT
+    if code is not None:  # the client's error, told to the client; at debug level for whoever traces one
+        log.debug(kv("rpc_refused", method=method, code=code.name, peer=context.peer(), detail=str(exc)))
         _abort(context, code, str(exc))
     log.exception(kv("rpc_failed", method=method, error=type(exc).__name__))
     _abort(context, grpc.StatusCode.INTERNAL, f"internal error in {method} ({type(exc).__name__}); see the server log")
