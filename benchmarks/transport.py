@@ -312,8 +312,8 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
         return time.perf_counter() - t0
 
     raw_s, raw_up_s, fetch_s, push_t, push_e, after_push = [], [], [], [], [], []
+    settle(server.pid)  # then each push settles before the next repetition
     for rep in range(args.reps):
-        settle(server.pid)
         raw_s.append(raw_copy_seconds(raw_port, payload, b"G"))
         settle(server.pid)
         raw_up_s.append(raw_copy_seconds(raw_port, payload, b"P"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import grpc
@@ -35,6 +36,16 @@ def wait_serving(target: str, timeout: float = 60.0) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"aggregator on {target} not serving after {timeout:.0f} s")
             time.sleep(0.2)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` every 20 ms until it holds or ``timeout`` passes; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
 
 
 def postgres_schema(base: str) -> AbstractContextManager[str]:

@@ -47,6 +47,13 @@ lr = 0.05
 """
 
 
+def _federation(tmp_path: Path, toml: str) -> tuple[Path, str, int, Path]:
+    """The config file, database URL, a free port and the log file of one server, in ``tmp_path``."""
+    config = tmp_path / "federation.toml"
+    config.write_text(toml)
+    return config, f"sqlite:///{tmp_path / 'fedatoms.db'}", free_port(), tmp_path / "server.log"
+
+
 def _serve(config: Path, port: int, url: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "fedatoms", "aggregator", "serve", "--config", str(config)]
@@ -61,10 +68,7 @@ def _serve(config: Path, port: int, url: str, log: Path) -> subprocess.Popen:
 
 
 def test_sigkill_mid_round_then_restart_completes_the_round(tmp_path) -> None:
-    config = tmp_path / "federation.toml"
-    config.write_text(TOML)
-    url = f"sqlite:///{tmp_path / 'fedatoms.db'}"
-    port, log = free_port(), tmp_path / "server.log"
+    config, url, port, log = _federation(tmp_path, TOML)
     proc = _serve(config, port, url, log)
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -124,10 +128,7 @@ def test_a_real_server_closes_the_round_at_its_deadline_with_the_quorum(tmp_path
     """``fedatoms aggregator serve`` with a 3 s deadline: two of three cohort members report, the third never
     does; the server's own deadline ticker closes the round with the two (no injected clock), and the
     straggler's late push is then refused and counted."""
-    config = tmp_path / "federation.toml"
-    config.write_text(TOML.replace("deadline_seconds = 600", "deadline_seconds = 3"))
-    url = f"sqlite:///{tmp_path / 'fedatoms.db'}"
-    port, log = free_port(), tmp_path / "server.log"
+    config, url, port, log = _federation(tmp_path, TOML.replace("deadline_seconds = 600", "deadline_seconds = 3"))
     proc = _serve(config, port, url, log)
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")

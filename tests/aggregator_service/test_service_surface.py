@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
+from support import wait_until
 
 # the TLS fixture and openssl helpers of the operations tests (a fixture imported here is a fixture here)
 from test_service_operations import _ca, _register, _signed, pki  # noqa: F401
@@ -359,16 +360,7 @@ def test_a_push_the_client_breaks_off_is_no_server_error(start_service, sqlite_u
             for r in caplog.records
         )
 
-    assert _wait(ended), [(r.levelname, r.getMessage()[:300]) for r in caplog.records]
+    assert wait_until(ended), [(r.levelname, r.getMessage()[:300]) for r in caplog.records]
     assert not [r.getMessage() for r in caplog.records if "rpc_failed" in r.getMessage() or r.levelno >= logging.ERROR]
     assert snapshot(sqlite_url) == before
     assert a.round_trip()[1].accepted  # the same client pushes again, whole, and is stored
-
-
-def _wait(predicate: Callable[[], bool], seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()

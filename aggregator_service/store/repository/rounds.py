@@ -376,6 +376,13 @@ def reported_clients(session: Session, fed: Federation, round: int) -> list[str]
     )
 
 
+def _delete_round_tensors(session: Session, fed: Federation, round: int) -> None:
+    ids = select(Update.id).where(Update.federation_id == fed.id, Update.round == round)
+    session.execute(
+        delete(UpdateTensor).where(UpdateTensor.update_pk.in_(ids)).execution_options(synchronize_session=False)
+    )
+
+
 def consume_round_updates(session: Session, fed: Federation, round: int) -> None:
     """What a close does to the updates it folded: their tensors go, their headers stay until the next close.
 
@@ -384,10 +391,7 @@ def consume_round_updates(session: Session, fed: Federation, round: int) -> None
     here lets :func:`refuse_late_push` answer it as a duplicate instead of a refusal. Headers of
     earlier rounds are deleted, so the table holds at most one closed round's headers.
     """
-    ids = select(Update.id).where(Update.federation_id == fed.id, Update.round == round)
-    session.execute(
-        delete(UpdateTensor).where(UpdateTensor.update_pk.in_(ids)).execution_options(synchronize_session=False)
-    )
+    _delete_round_tensors(session, fed, round)
     session.execute(
         delete(Update)
         .where(Update.federation_id == fed.id, Update.round < round)
@@ -408,16 +412,16 @@ def refuse_late_push(session: Session, fed: Federation, round: int, client_id: s
     except NotFound:
         return None
     if rnd.state == "closed":
-        pk = session.scalar(
-            select(Update.id).where(
+        consumed = session.scalar(
+            select(Update).where(
                 Update.federation_id == fed.id,
                 Update.update_id == update_id,
                 Update.client_id == client_id,
                 Update.round == round,
             )
         )
-        if pk is not None:
-            return session.get(Update, pk)
+        if consumed is not None:
+            return consumed
     if rnd.state in ("closed", "abandoned") and client_id in rnd.cohort:
         rnd.late_pushes += 1
         session.flush()
@@ -426,10 +430,7 @@ def refuse_late_push(session: Session, fed: Federation, round: int, client_id: s
 
 def delete_round_updates(session: Session, fed: Federation, round: int) -> int:
     """Delete a round's updates and their tensors; returns how many updates went."""
-    ids = select(Update.id).where(Update.federation_id == fed.id, Update.round == round)
-    session.execute(
-        delete(UpdateTensor).where(UpdateTensor.update_pk.in_(ids)).execution_options(synchronize_session=False)
-    )
+    _delete_round_tensors(session, fed, round)
     result = session.execute(
         delete(Update)
         .where(Update.federation_id == fed.id, Update.round == round)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, text
+from support import wait_until
 
 from aggregator_service import store
 from aggregator_service.store.wal import BACKSTOP_PAGES, NICE
@@ -36,15 +37,6 @@ def _nice(tid: int | None) -> int:
     return int(fields[16])  # the 19th field of stat, counted after the command name's closing parenthesis
 
 
-def _wait_for(predicate, seconds: float = 20.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 def test_writer_engine_moves_automatic_checkpoints_out_of_reach_and_readers_keep_them(tmp_path):
     writer, _ = _engine(tmp_path)
     reader = store.create_engine_for(f"sqlite:///{tmp_path / 'wal.db'}", sqlite_begin="DEFERRED")
@@ -54,7 +46,7 @@ def test_writer_engine_moves_automatic_checkpoints_out_of_reach_and_readers_keep
         assert writer.wal_checkpointer.running  # type: ignore[attr-defined]
         if sys.platform.startswith("linux"):  # the thread yields to serving: its own nice value is the lowest
             thread = next(t for t in threading.enumerate() if t.name == "wal-checkpoint:wal.db")
-            assert _wait_for(lambda: _nice(thread.native_id) == NICE)
+            assert wait_until(lambda: _nice(thread.native_id) == NICE)
         with reader.connect() as conn:
             assert conn.exec_driver_sql("PRAGMA wal_autocheckpoint").scalar() == AUTOCHECKPOINT_PAGES
         assert not hasattr(reader, "wal_checkpointer")
@@ -77,7 +69,7 @@ def test_a_commit_past_the_autocheckpoint_size_leaves_the_checkpoint_to_the_thre
         assert path.stat().st_size == before  # and not copied by the commit
         checkpointer.start()
         # the file grows while the checkpoint runs: wait for its end
-        assert _wait_for(lambda: checkpointer.checkpoints >= 1), "the thread never checkpointed"
+        assert wait_until(lambda: checkpointer.checkpoints >= 1, timeout=30), "the thread never checkpointed"
         assert path.stat().st_size > nbytes
     finally:
         engine.dispose()
@@ -99,7 +91,8 @@ def test_the_thread_checkpoints_small_commits_and_stops_with_the_engine(tmp_path
     engine, path = _engine(tmp_path)
     checkpointer = engine.wal_checkpointer  # type: ignore[attr-defined]
     _write(engine, 2 * PAGE * 16)  # far below the automatic checkpoint's 1000 pages
-    assert _wait_for(lambda: path.stat().st_size > 2 * PAGE * 16), "the small commit was never checkpointed"
+    copied = wait_until(lambda: path.stat().st_size > 2 * PAGE * 16, timeout=30)
+    assert copied, "the small commit was never checkpointed"
     engine.dispose()
     assert not checkpointer.running
     with engine.connect():  # a disposed engine that connects again checkpoints again
@@ -118,7 +111,8 @@ def test_a_checkpoint_behind_an_open_reader_is_tried_again(tmp_path):
             _write(engine, 64 * PAGE)
             time.sleep(0.5)  # several of the thread's turns, all held back by the snapshot
             assert path.stat().st_size < 64 * PAGE
-        assert _wait_for(lambda: path.stat().st_size > 64 * PAGE), "the frames were never copied after the reader"
+        copied = wait_until(lambda: path.stat().st_size > 64 * PAGE, timeout=30)
+        assert copied, "the frames were never copied after the reader"
     finally:
         engine.dispose()
         reader.dispose()
