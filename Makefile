@@ -28,7 +28,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/dashboard.py
 
 proto: $(STAMP)
-	$(PY) -m fedatoms.protogen
+	$(PY) -m fedwire.protogen
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

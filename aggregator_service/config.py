@@ -25,7 +25,7 @@ from fedcore.spec import ModelSpec
 from fedcore.tiers import TIERS
 from fedcore.training import TrainConfig
 
-__all__ = ["DEMO_ENROLLMENT_SECRET", "AggregatorSettings", "FederationConfig", "is_loopback"]
+__all__ = ["DEMO_ENROLLMENT_SECRET", "AggregatorSettings", "FederationConfig", "is_loopback", "split_listen"]
 
 #: The default enrollment secret: for local demos only, never for a federation reachable by others.
 DEMO_ENROLLMENT_SECRET = "fedatoms-demo"
@@ -157,7 +157,8 @@ _TOML_PATH: ContextVar[Path | None] = ContextVar("_TOML_PATH", default=None)
 _LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
 
 
-def _split_listen(listen: str) -> tuple[str, int]:
+def split_listen(listen: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 in brackets) as ``(host, port)``: the listen address of the aggregator and the dashboard."""
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"listen must be HOST:PORT (e.g. 127.0.0.1:50051 or [::]:50051), got {listen!r}")
@@ -166,7 +167,7 @@ def _split_listen(listen: str) -> tuple[str, int]:
 
 def is_loopback(listen: str) -> bool:
     """Whether ``HOST:PORT`` only accepts connections from this machine."""
-    host, _ = _split_listen(listen)
+    host, _ = split_listen(listen)
     if host.lower() in _LOOPBACK_NAMES:
         return True
     try:
@@ -217,7 +218,7 @@ class AggregatorSettings(BaseSettings):
     @field_validator("listen")
     @classmethod
     def _check_listen(cls, value: str) -> str:
-        _split_listen(value)
+        split_listen(value)
         return value
 
     @model_validator(mode="after")

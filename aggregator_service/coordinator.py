@@ -39,7 +39,8 @@ from aggregator_service.config import AggregatorSettings
 from aggregator_service.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated
 from aggregator_service.group_commit import GroupCommit
 from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
-from aggregator_service.rounds import Federation, RoundOutcome, RoundPlan, client_key, client_number, derive_seed
+from aggregator_service.rounds import Federation, RoundOutcome, RoundPlan
+from fedcore.keys import client_key, client_number, derive_seed
 from aggregator_service.token_lookup import TokenLookup
 from aggregator_service.validation import check_header, check_tensors
 from fedcore.tiers import CapabilityProfile, NoTierFitsError, assign_tier
@@ -69,7 +70,7 @@ class ClientInfo:
     id: str
     tier: float
     name: str
-    key: str  # the round engine's name for the client (:func:`aggregator_service.rounds.client_key`)
+    key: str  # the round engine's name for the client (:func:`fedcore.keys.client_key`)
 
 
 class Registration(NamedTuple):

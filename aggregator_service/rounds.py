@@ -8,7 +8,6 @@ compute identical rounds.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -20,6 +19,7 @@ from torch import Tensor
 from aggregator_service.aggregation import AggregateResult, ClientUpdate, RoundAccumulator, Strategy, refactorize
 from aggregator_service.intervals import IntervalPolicy, discrepancy
 from aggregator_service.metrics import latent_clients
+from fedcore.keys import derive_seed
 from fedcore.spec import ModelSpec
 
 __all__ = [
@@ -28,35 +28,9 @@ __all__ = [
     "Federation",
     "RoundOutcome",
     "RoundPlan",
-    "client_key",
-    "client_number",
-    "derive_seed",
 ]
 
 COHORT_MODES = ("period", "per_round")
-
-
-def derive_seed(*parts: object) -> int:
-    """A 63-bit seed from (seed, round, client…): stable across processes and transports."""
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def client_key(number: int) -> str:
-    """The engine's name for the ``number``-th client to join (0-based): cohorts are sampled, local
-    training seeded and updates folded by it, so every transport computes the same rounds.
-    Fixed width keeps string order equal to joining order."""
-    if number < 0:
-        raise ValueError(f"client number must be ≥ 0, got {number}")
-    return f"client-{number:06d}"
-
-
-def client_number(key: str) -> int:
-    """The inverse of :func:`client_key`."""
-    prefix, _, digits = key.partition("-")
-    if prefix != "client" or not digits.isdigit():
-        raise ValueError(f"not a client key: {key!r}")
-    return int(digits)
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ from aggregator_service import store
 from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
 from aggregator_service.coordinator import ClientInfo, Coordinator, Done, Train, kv
 from aggregator_service.errors import InvalidArgument, ServiceError, Unauthenticated
-from fedatoms import wire
-from fedatoms.allocator import reuse_message_buffers
-from fedatoms.v1 import aggregator_pb2 as pb
-from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+from fedwire import framing
+from fedwire.allocator import reuse_message_buffers
+from fedwire.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 from fedcore import codec
 from fedcore.tiers import CapabilityProfile
 
@@ -199,7 +199,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                         yield entry, nbytes, name
 
         try:
-            for group in wire.packed(entries()):
+            for group in framing.packed(entries()):
                 yield group[0][0] if len(group) == 1 else b"".join(entry for entry, _, _ in group)
                 for _, nbytes, name in group:
                     sent[name] = sent.get(name, 0) + nbytes
@@ -214,10 +214,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self, tier: float, kind: int, name: str, tensor: Tensor, version: int
     ) -> tuple[tuple[bytes, int], ...]:
         """The tensor encoded (fp16 per the federation), cut into ≤ 1 MiB chunks and serialized as
-        ``TensorChunkBatch`` entries (:func:`wire.batch_entry`), with their payload sizes: built once
+        ``TensorChunkBatch`` entries (:func:`framing.batch_entry`), with their payload sizes: built once
         per version and shared by every fetch.
 
-        FetchModel's serializer passes ``bytes`` through (:func:`wire.serialize`), so concurrent and
+        FetchModel's serializer passes ``bytes`` through (:func:`framing.serialize`), so concurrent and
         repeated fetches send the same bytes (a 1 MiB chunk is its own batch, sent without a copy)
         instead of encoding and serializing the model per fetch. The coordinator hands out the same
         tensor object until its version changes (or a reload rolls it back), so object and version
@@ -229,16 +229,16 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             return hit[2]
         encoded = codec.encode(tensor, fp16=self.fp16, name=name)
         entries = tuple(
-            (wire.batch_entry(c, kind), len(c.data)) for c in codec.iter_chunks(name, encoded, version=version)
+            (framing.batch_entry(c, kind), len(c.data)) for c in codec.iter_chunks(name, encoded, version=version)
         )
         self._wire_cache[key] = (tensor, version, entries)  # a race only builds the same entries twice
         return entries
 
     @_rpc
     def PushUpdate(
-        self, request_iterator: Iterator[pb.PushMessage | list[wire.Received]], context: grpc.ServicerContext
+        self, request_iterator: Iterator[pb.PushMessage | list[framing.Received]], context: grpc.ServicerContext
     ) -> pb.PushReply:
-        """Messages arrive as :func:`wire.parse_push_message` gives them: chunks parsed in place, else messages."""
+        """Messages arrive as :func:`framing.parse_push_message` gives them: chunks parsed in place, else messages."""
         client = self._client(context)
         first = next(request_iterator, None)
         if not isinstance(first, pb.PushMessage) or first.WhichOneof("payload") != "header":
@@ -262,7 +262,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                     control.add(piece)
                 else:
                     raise InvalidArgument(
-                        f"tensor {piece.name!r}: chunk kind {wire.KIND_NAMES.get(kind, kind)} cannot be "
+                        f"tensor {piece.name!r}: chunk kind {framing.KIND_NAMES.get(kind, kind)} cannot be "
                         "pushed; use TENSOR_KIND_MODEL or TENSOR_KIND_CONTROL_DELTA"
                     )
         tensors = model.finish(allow_nonfinite=True)  # the coordinator names NaN/Inf per tensor
@@ -284,14 +284,14 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         )
 
     @staticmethod
-    def _chunks(msg: pb.PushMessage | list[wire.Received]) -> list[wire.Received]:
+    def _chunks(msg: pb.PushMessage | list[framing.Received]) -> list[framing.Received]:
         if not isinstance(msg, pb.PushMessage):
             return msg
         payload = msg.WhichOneof("payload")
         if payload == "chunk":
-            return [(msg.chunk.kind, wire.to_chunk(msg.chunk))]
+            return [(msg.chunk.kind, framing.to_chunk(msg.chunk))]
         if payload == "chunks":
-            return [(c.kind, wire.to_chunk(c)) for c in msg.chunks.chunks]
+            return [(c.kind, framing.to_chunk(c)) for c in msg.chunks.chunks]
         if payload == "header":
             raise InvalidArgument("PushHeader sent twice: only the first PushMessage carries the header")
         raise InvalidArgument("empty PushMessage: after the header, every message carries chunk or chunks")
@@ -335,7 +335,7 @@ def _credentials(settings: AggregatorSettings) -> grpc.ServerCredentials:
 
 
 def _add_servicer(servicer: AggregatorServicer, server: grpc.Server) -> None:
-    """What ``add_AggregatorServicer_to_server`` does, but with :func:`wire.serialize` for every method
+    """What ``add_AggregatorServicer_to_server`` does, but with :func:`framing.serialize` for every method
     and PushUpdate's chunks parsed in place.
 
     Built from the service descriptor, so every RPC the proto declares is served (a test checks it).
@@ -347,12 +347,12 @@ def _add_servicer(servicer: AggregatorServicer, server: grpc.Server) -> None:
         (True, False): grpc.stream_unary_rpc_method_handler,
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
-    in_place = {"PushUpdate": wire.parse_push_message}  # megabytes of chunk data are not copied into messages
+    in_place = {"PushUpdate": framing.parse_push_message}  # megabytes of chunk data are not copied into messages
     handlers = {
         m.name: kinds[(m.client_streaming, m.server_streaming)](
             getattr(servicer, m.name),
             request_deserializer=in_place.get(m.name, getattr(pb, m.input_type.name).FromString),
-            response_serializer=wire.serialize,
+            response_serializer=framing.serialize,
         )
         for m in service.methods
     }

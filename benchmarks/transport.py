@@ -13,7 +13,7 @@ deployment does. On 127.0.0.1, payload = the resnet18 model's tensors as they tr
   this process into the aggregator until it acknowledges (PushUpdate's). This moves every byte
   once and is the reference (1.0×). (A receive buffer from ``np.empty``, with huge pages like the
   Reassembler's, made this copy no faster here: medians of 31-61 ms against 27-31 ms.)
-- **FetchModel**: the call until the client holds the decoded arrays (``wire.fetch_model``, whose
+- **FetchModel**: the call until the client holds the decoded arrays (``framing.fetch_model``, whose
   batches' chunks are parsed in place, + ``codec.Reassembler`` + ``finish()``, as ``client_agent``
   does).
 - **PushUpdate, transport only**: the call until the server has received the stream,
@@ -21,7 +21,7 @@ deployment does. On 127.0.0.1, payload = the resnet18 model's tensors as they tr
   it returned, on ``CLOCK_MONOTONIC``, which both processes read).
 - **PushUpdate, end to end**: the same call until the client has the acknowledgement, which is
   sent only after the update is durably committed (SQLite WAL, ``synchronous=FULL``).
-  The push's batches are built before the clock starts (``wire.push_messages``; client-side
+  The push's batches are built before the clock starts (``framing.push_messages``; client-side
   encoding is printed apart).
 
 The transfers run interleaved ``--reps`` times (each push from another cohort member, so
@@ -68,10 +68,10 @@ from aggregator_service.config import AggregatorSettings, FederationConfig
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.server import build_server
 from client_agent.transport import channel_options
-from fedatoms import wire
-from fedatoms.allocator import reuse_message_buffers
-from fedatoms.v1 import aggregator_pb2 as pb
-from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+from fedwire import framing
+from fedwire.allocator import reuse_message_buffers
+from fedwire.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 from fedcore import codec
 
 _RAW_REQUEST = struct.Struct("!cQ")  # b"G": the aggregator sends n bytes; b"P": it receives n bytes
@@ -262,7 +262,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     reports = server.stdout
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())  # the agent's channel
     stub = pb_grpc.AggregatorStub(channel)
-    fetch_model, push_update = wire.fetch_model(channel), wire.push_update(channel)
+    fetch_model, push_update = framing.fetch_model(channel), framing.push_update(channel)
     regs = [
         stub.Register(
             pb.RegisterRequest(profile=pb.CapabilityProfile(num_samples=10), enrollment_secret="fedatoms-demo")
@@ -283,7 +283,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     tensors = fetch()  # warm-up: the server encodes and frames each tensor once per version
     due = list(tasks[0].train.due_tensors)
     t0 = time.perf_counter()  # the push's batches as client_agent builds them, minus the header
-    batches = list(wire.push_messages(pb.PushHeader(), [(n, tensors[n], 0, pb.TENSOR_KIND_MODEL) for n in due]))[1:]
+    batches = list(framing.push_messages(pb.PushHeader(), [(n, tensors[n], 0, pb.TENSOR_KIND_MODEL) for n in due]))[1:]
     encode_s = time.perf_counter() - t0
     payload = b"".join(codec.encode(tensors[name]).data for name in due)
     nbytes = len(payload)

@@ -32,7 +32,7 @@ import torch
 from client_agent.state import ClientState, PendingUpdate
 from client_agent.transport import AggregatorClient, Unauthenticated, task_from_proto
 from client_agent.update import ClientEvaluation, evaluate_client, run_task
-from fedatoms.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2 as pb
 from fedcore.data import ArrayDataset
 from fedcore.spec import ModelSpec
 from fedcore.tiers import CapabilityProfile

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aggregator_service.rounds import client_key
+from fedcore.keys import client_key
 from client_agent.state import ClientState
 from fedcore.data import ArrayDataset, load_dataset, local_test_splits, partition
 from fedcore.tiers import CapabilityProfile
@@ -167,7 +167,7 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
 
     from client_agent.agent import Agent, ComputeSlot, RoundWatch
     from client_agent.transport import AggregatorClient
-    from fedatoms.allocator import reuse_message_buffers
+    from fedwire.allocator import reuse_message_buffers
 
     reuse_message_buffers()
     torch.set_num_threads(job.torch_threads)

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from client_agent.update import TrainTask
-from fedatoms import wire
-from fedatoms.v1 import aggregator_pb2 as pb
-from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+from fedwire import framing
+from fedwire.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 from fedcore import codec
 from fedcore.spec import ModelSpec
 from fedcore.tiers import CapabilityProfile
@@ -152,8 +152,8 @@ class AggregatorClient:
         else:
             self.channel = grpc.insecure_channel(target, options=options)
         self.stub = pb_grpc.AggregatorStub(self.channel)
-        self._fetch_model = wire.fetch_model(self.channel)  # chunks parsed in place, not as messages
-        self._push_update = wire.push_update(self.channel)  # takes the batches push_messages serializes
+        self._fetch_model = framing.fetch_model(self.channel)  # chunks parsed in place, not as messages
+        self._push_update = framing.push_update(self.channel)  # takes the batches push_messages serializes
         self.target = target
         self.token = token
         self.backoff = backoff or Backoff()
@@ -291,7 +291,7 @@ class AggregatorClient:
         return self._call(
             "PushUpdate",
             lambda: self._push_update(
-                wire.push_messages(header, tensors_, fp16=fp16), metadata=self._auth, timeout=self.rpc_timeout
+                framing.push_messages(header, tensors_, fp16=fp16), metadata=self._auth, timeout=self.rpc_timeout
             ),
         )
 

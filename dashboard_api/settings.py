@@ -17,7 +17,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from aggregator_service.config import _split_listen
+from aggregator_service.config import split_listen
 
 __all__ = ["DashboardSettings"]
 
@@ -63,7 +63,7 @@ class DashboardSettings(BaseSettings):
     @field_validator("listen")
     @classmethod
     def _check_listen(cls, value: str) -> str:
-        _split_listen(value)
+        split_listen(value)
         return value
 
     @field_validator("admin_token", "read_token")
@@ -75,7 +75,7 @@ class DashboardSettings(BaseSettings):
 
     @property
     def host_port(self) -> tuple[str, int]:
-        return _split_listen(self.listen)
+        return split_listen(self.listen)
 
     @classmethod
     def settings_customise_sources(

@@ -355,7 +355,7 @@ def cmd_client_run(args: argparse.Namespace) -> int:
     from client_agent.pool import Population
     from client_agent.profile import declared_profile, measured_profile
     from client_agent.transport import AggregatorClient, Backoff
-    from fedatoms.allocator import reuse_message_buffers
+    from fedwire.allocator import reuse_message_buffers
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

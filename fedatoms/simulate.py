@@ -21,7 +21,8 @@ import torch
 from aggregator_service.aggregation import ClientUpdate
 from aggregator_service.config import FederationConfig
 from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
-from aggregator_service.rounds import Federation, RoundOutcome, derive_seed
+from aggregator_service.rounds import Federation, RoundOutcome
+from fedcore.keys import derive_seed
 from client_agent.pool import Population, VirtualClient
 from client_agent.update import ClientEvaluation, TrainTask, evaluate_client, run_task
 from fedcore.codec import decode, encode

@@ -132,7 +132,7 @@ def run_grpc_simulation(
 
 def _start_aggregator(settings: AggregatorSettings) -> tuple[Any, int, Any]:
     from aggregator_service.server import DeadlineTicker, build_server
-    from fedatoms.allocator import reuse_message_buffers
+    from fedwire.allocator import reuse_message_buffers
 
     reuse_message_buffers()  # as `fedatoms aggregator serve` does
     server, port, coordinator = build_server(settings)

@@ -93,7 +93,7 @@ class Chunk:
     shape: tuple[int, ...]
     version: int
     offset: int
-    data: bytes | memoryview  # a memoryview when parsed in place from a received message (fedatoms.wire)
+    data: bytes | memoryview  # a memoryview when parsed in place from a received message (fedwire.framing)
     total_bytes: int
 
 

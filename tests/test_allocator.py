@@ -1,4 +1,4 @@
-"""fedatoms.allocator: a process that set it reuses the pages of 1 MiB message buffers.
+"""fedwire.allocator: a process that set it reuses the pages of 1 MiB message buffers.
 
 Each case runs in its own interpreter, since the setting lasts for the whole process. The
 pattern is a fetch's: several ≈1 MiB buffers alive at once (messages in flight), freed, then again.
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 _MESSAGES = r"""
 import json, resource, sys
-from fedatoms.allocator import reuse_message_buffers
+from fedwire.allocator import reuse_message_buffers
 tuned = reuse_message_buffers() if sys.argv[1] == "tuned" else None
 payload = memoryview(bytes(1 << 20))
 def fetch():

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from google.protobuf.message import Message
 
-from fedatoms import protogen
-from fedatoms.v1 import aggregator_pb2 as pb
-from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
-from fedatoms.wire import from_chunk, to_chunk
+from fedwire import protogen
+from fedwire.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
+from fedwire.framing import from_chunk, to_chunk
 from fedcore import codec
 from fedcore.spec import ModelSpec
 from fedcore.tiers import CapabilityProfile
@@ -59,14 +59,14 @@ def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
         committed = protogen.REPO_ROOT / rel
         if not committed.is_file() or committed.read_bytes() != path.read_bytes():
             stale.append(str(rel))
-    assert not stale, f"stubs are stale: run python -m fedatoms.protogen ({', '.join(stale)})"
+    assert not stale, f"stubs are stale: run python -m fedwire.protogen ({', '.join(stale)})"
     generated = {p.relative_to(tmp_path) for p in written}
     orphans = [
         str(p.relative_to(protogen.REPO_ROOT))
-        for p in (protogen.REPO_ROOT / "fedatoms").rglob("*_pb2*.py*")
+        for p in (protogen.REPO_ROOT / protogen.STUB_PACKAGE).rglob("*_pb2*.py*")
         if p.relative_to(protogen.REPO_ROOT) not in generated
     ]
-    assert not orphans, f"stubs are stale: run python -m fedatoms.protogen and delete {', '.join(orphans)}"
+    assert not orphans, f"stubs are stale: run python -m fedwire.protogen and delete {', '.join(orphans)}"
 
 
 def test_stubs_import_as_a_package() -> None:
@@ -74,7 +74,7 @@ def test_stubs_import_as_a_package() -> None:
     assert pb.DESCRIPTOR.name == "fedatoms/v1/aggregator.proto"
     assert (
         pb_grpc.fedatoms_dot_v1_dot_aggregator__pb2 is pb
-    )  # the grpc stub imports `from fedatoms.v1 import aggregator_pb2`
+    )  # the grpc stub imports `from fedwire.v1 import aggregator_pb2`
 
 
 # -------------------------------------------------------------------------- round trips

@@ -16,7 +16,7 @@ from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.server import build_server
-from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
 
 @dataclass

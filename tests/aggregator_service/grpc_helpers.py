@@ -20,13 +20,14 @@ from support import free_port, wait_serving  # noqa: F401  (re-exported for the 
 from aggregator_service import store
 from aggregator_service.aggregation import ClientUpdate
 from aggregator_service.config import FederationConfig
-from aggregator_service.rounds import Federation, RoundPlan, client_key
+from aggregator_service.rounds import Federation, RoundPlan
+from fedcore.keys import client_key
 from client_agent.state import ClientState
 from client_agent.transport import task_from_proto
 from client_agent.update import ClientPush, run_task
-from fedatoms import wire
-from fedatoms.v1 import aggregator_pb2 as pb
-from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+from fedwire import framing
+from fedwire.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 from fedcore import codec
 from fedcore.data import ArrayDataset, load_dataset
 from fedcore.spec import ModelSpec
@@ -66,7 +67,7 @@ class Client:
     spec: ModelSpec
     data: ArrayDataset
     key: str = ""  # the round engine's key: client_key(registration number)
-    batched: bool = False  # push as client_agent does (wire.push_messages), not one chunk per message
+    batched: bool = False  # push as client_agent does (framing.push_messages), not one chunk per message
     state: ClientState = field(init=False)
     pushed: dict[int, ClientPush] = field(default_factory=dict)
 
@@ -87,7 +88,7 @@ class Client:
         for batch in self.stub.FetchModel(pb.FetchRequest(held=held), metadata=self.auth):
             for msg in batch.chunks:
                 assert msg.kind == pb.TENSOR_KIND_MODEL
-                model.add(wire.to_chunk(msg))
+                model.add(framing.to_chunk(msg))
         versions = model.versions()
         arrays = model.finish()
         self.state.receive({n: (torch.from_numpy(a), versions[n]) for n, a in arrays.items()})
@@ -113,7 +114,7 @@ class Client:
         update_id = update_id or uuid.uuid4().hex
         if self.batched:
             header = pb.PushHeader(round=round_, update_id=update_id, num_samples=num_samples, metrics=metrics or {})
-            frames = wire.push_messages(header, [(n, t, 0, pb.TENSOR_KIND_MODEL) for n, t in tensors.items()])
+            frames = framing.push_messages(header, [(n, t, 0, pb.TENSOR_KIND_MODEL) for n, t in tensors.items()])
             messages = (pb.PushMessage.FromString(f) for f in frames)  # the stub serializes them back as they were
             return self.stub.PushUpdate(messages, metadata=self.auth, timeout=timeout)
         return self.stub.PushUpdate(
@@ -137,7 +138,7 @@ def push_messages(
         header=pb.PushHeader(round=round_, update_id=update_id, num_samples=num_samples, metrics=dict(metrics))
     )
     for name, tensor in tensors.items():
-        for msg in wire.tensor_messages(name, tensor):
+        for msg in framing.tensor_messages(name, tensor):
             yield pb.PushMessage(chunk=msg)
 
 

@@ -7,7 +7,8 @@ import torch
 
 from aggregator_service.aggregation import ClientUpdate, FedAvg, refactorize
 from aggregator_service.intervals import EveryRound, FedLAMA, FixedSchedule
-from aggregator_service.rounds import CohortSampler, Federation, derive_seed
+from aggregator_service.rounds import CohortSampler, Federation
+from fedcore.keys import derive_seed
 from fedcore.spec import ModelSpec
 
 SPEC = ModelSpec("digits-cnn", 10, "atoms-lowrank", 9)

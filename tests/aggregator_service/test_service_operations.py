@@ -15,8 +15,8 @@ from sqlalchemy import func, select
 
 from aggregator_service import store
 from fedatoms.cli import main
-from fedatoms.v1 import aggregator_pb2 as pb
-from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+from fedwire.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
 OPENSSL = shutil.which("openssl")
 

@@ -15,8 +15,8 @@ from grpc_helpers import SECRET, free_port, wait_serving
 from support import postgres_schema
 
 from aggregator_service import store
-from fedatoms.v1 import aggregator_pb2 as pb
-from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+from fedwire.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

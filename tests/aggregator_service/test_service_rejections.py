@@ -12,8 +12,8 @@ import pytest
 from grpc_helpers import Client, register, shards, snapshot
 
 from aggregator_service import store
-from fedatoms import wire
-from fedatoms.v1 import aggregator_pb2 as pb
+from fedwire import framing
+from fedwire.v1 import aggregator_pb2 as pb
 from fedcore import codec
 
 
@@ -138,7 +138,7 @@ def test_oversized_push_is_resource_exhausted(round_one) -> None:
     big = np.zeros(codec.CHUNK_BYTES // 4 + 1, "f4")
     chunks = codec.iter_chunks("head.weight", codec.encode(big), chunk_bytes=codec.CHUNK_BYTES + 4)
     header = pb.PushHeader(round=1, update_id=uuid.uuid4().hex, num_samples=10)
-    messages = [pb.PushMessage(header=header)] + [pb.PushMessage(chunk=wire.from_chunk(c)) for c in chunks]
+    messages = [pb.PushMessage(header=header)] + [pb.PushMessage(chunk=framing.from_chunk(c)) for c in chunks]
     _refused(
         svc.url,
         grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -28,7 +28,7 @@ from sqlalchemy import select
 
 from aggregator_service import store
 from aggregator_service.rounds import RoundPlan
-from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 TOML = f"""

@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from aggregator_service import store
 from aggregator_service.rounds import RoundPlan
-from fedatoms.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2 as pb
 
 
 def _happy_path(start_service, url: str, decoded_budget: int | None = None) -> None:

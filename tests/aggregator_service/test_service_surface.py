@@ -33,8 +33,8 @@ from test_service_operations import _ca, _register, _signed, pki  # noqa: F401
 from aggregator_service import store
 from aggregator_service.server import MAX_MESSAGE_BYTES, SERVICE_NAME, DeadlineTicker
 from client_agent.transport import channel_options
-from fedatoms import wire
-from fedatoms.v1 import aggregator_pb2 as pb
+from fedwire import framing
+from fedwire.v1 import aggregator_pb2 as pb
 from fedcore import codec
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -197,7 +197,7 @@ def test_a_push_message_over_the_server_message_limit_is_refused_by_grpc(start_s
     header = pb.PushMessage(header=pb.PushHeader(round=1, update_id=uuid.uuid4().hex, num_samples=10))
 
     with grpc.insecure_channel(f"127.0.0.1:{svc.port}", options=list(options.items())) as channel:
-        push = wire.push_update(channel)
+        push = framing.push_update(channel)
 
         def send(size: int) -> grpc.RpcError:
             frames = [header.SerializeToString(), _push_message_of_size(size)]
@@ -338,7 +338,7 @@ def test_a_push_the_client_breaks_off_is_no_server_error(start_service, sqlite_u
         header = pb.PushHeader(round=task.train.round, update_id=uuid.uuid4().hex, num_samples=10)
         yield pb.PushMessage(header=header)
         for chunk in codec.iter_chunks("head.weight", codec.encode(update["head.weight"].numpy()), chunk_bytes=256):
-            yield pb.PushMessage(chunk=wire.from_chunk(chunk))
+            yield pb.PushMessage(chunk=framing.from_chunk(chunk))
             sent_some.set()
             hold.wait(10)  # the link goes quiet after the first chunk
 

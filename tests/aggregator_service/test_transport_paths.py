@@ -14,8 +14,8 @@ from aggregator_service.config import AggregatorSettings
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.errors import Unauthenticated
 from aggregator_service.server import AggregatorServicer, _add_servicer
-from fedatoms import wire
-from fedatoms.v1 import aggregator_pb2 as pb
+from fedwire import framing
+from fedwire.v1 import aggregator_pb2 as pb
 from fedcore import codec
 from fedcore.tiers import CapabilityProfile
 
@@ -69,15 +69,15 @@ def test_every_rpc_of_the_proto_is_registered_with_its_streaming_kind(coordinato
     for m in methods:
         h: grpc.RpcMethodHandler = server.registered[m.name]
         assert (h.request_streaming, h.response_streaming) == (m.client_streaming, m.server_streaming)
-        assert h.response_serializer is wire.serialize
-        in_place = wire.parse_push_message if m.name == "PushUpdate" else getattr(pb, m.input_type.name).FromString
+        assert h.response_serializer is framing.serialize
+        in_place = framing.parse_push_message if m.name == "PushUpdate" else getattr(pb, m.input_type.name).FromString
         assert h.request_deserializer == in_place
 
 
 def test_serialize_passes_bytes_through() -> None:
     msg = pb.PushReply(accepted=True, round=3)
-    assert wire.serialize(msg) == msg.SerializeToString()
-    assert wire.serialize(b"\x08\x01") == b"\x08\x01"
+    assert framing.serialize(msg) == msg.SerializeToString()
+    assert framing.serialize(b"\x08\x01") == b"\x08\x01"
 
 
 def test_fetch_entries_are_built_once_per_version(coordinator) -> None:
@@ -94,7 +94,7 @@ def test_fetch_entries_are_built_once_per_version(coordinator) -> None:
     for entry, nbytes in entries:
         (msg,) = pb.TensorChunkBatch.FromString(entry).chunks  # an entry is a batch of one chunk
         assert msg.kind == pb.TENSOR_KIND_MODEL and len(msg.data) == nbytes
-        asm.add(wire.to_chunk(msg))
+        asm.add(framing.to_chunk(msg))
     assert asm.versions() == {name: version}
     rebuilt = servicer._entries(tier, pb.TENSOR_KIND_MODEL, name, tensor + 1, version + 1)
     assert rebuilt is not entries and pb.TensorChunkBatch.FromString(rebuilt[0][0]).chunks[0].version == version + 1

@@ -130,7 +130,7 @@ def test_clients_ride_through_an_aggregator_restart(tmp_path: Path) -> None:
     assert _count(url, store.Client) == 2
     for log in logs:
         assert "event=done" in log.read_text()
-    # both aggregator processes set the allocator for message streams (fedatoms.allocator)
+    # both aggregator processes set the allocator for message streams (fedwire.allocator)
     assert server.log.read_text().count("event=allocator_set mmap_threshold=4194304 trim_threshold=16777216") == 2
 
 
@@ -273,7 +273,7 @@ def test_unreachable_server_gives_up_with_exit_4(tmp_path: Path) -> None:
     done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert done.returncode == 4, done.stderr
     assert "event=rpc_retry" in done.stderr and "event=unreachable" in done.stderr
-    assert "event=allocator_set mmap_threshold=4194304 trim_threshold=16777216" in done.stderr  # fedatoms.allocator
+    assert "event=allocator_set mmap_threshold=4194304 trim_threshold=16777216" in done.stderr  # fedwire.allocator
 
 
 def test_bad_partition_index_is_a_usage_error(tmp_path: Path) -> None:

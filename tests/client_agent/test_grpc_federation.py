@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from aggregator_service import store
-from aggregator_service.rounds import client_key
+from fedcore.keys import client_key
 from client_agent.state import ClientState
 from fedatoms import simulate
 from fedatoms.simulate import SimulationConfig, run_simulation

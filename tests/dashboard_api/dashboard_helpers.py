@@ -37,8 +37,8 @@ from aggregator_service.server import DeadlineTicker, build_server
 from client_agent.update import evaluate_client
 from dashboard_api.app import create_app
 from dashboard_api.settings import DashboardSettings
-from fedatoms.v1 import aggregator_pb2 as pb
-from fedatoms.v1 import aggregator_pb2_grpc as pb_grpc
+from fedwire.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 from fedcore.data import load_dataset
 
 ADMIN_TOKEN = "admin-token-5f1c2e9b7a3d4c60"

@@ -5,7 +5,7 @@ Revises: 0001_initial
 Create Date: 2026-11-23 00:00:00
 
 The round engine keys cohort sampling, local-training seeds and fold order by it (see
-``aggregator_service.rounds.client_key``). Existing clients are numbered by registration time.
+``fedcore.keys.client_key``). Existing clients are numbered by registration time.
 """
 
 from __future__ import annotations

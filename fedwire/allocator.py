@@ -26,7 +26,7 @@ import os
 
 __all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "reuse_message_buffers"]
 
-log = logging.getLogger("fedatoms.allocator")
+log = logging.getLogger("fedwire.allocator")
 
 # above a message's buffers (≤ 1 MiB of chunk data, plus headers), and no higher than numpy's
 # huge-page threshold (4 MiB): arrays that large keep their own mappings, which numpy asks to back

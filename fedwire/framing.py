@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from fedatoms.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2 as pb
 from fedcore import codec
 
 __all__ = [

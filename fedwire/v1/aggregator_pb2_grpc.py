@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from fedatoms.v1 import aggregator_pb2 as fedatoms_dot_v1_dot_aggregator__pb2
+from fedwire.v1 import aggregator_pb2 as fedatoms_dot_v1_dot_aggregator__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
