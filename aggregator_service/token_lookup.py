@@ -4,8 +4,8 @@ Tokens are never cached (a revocation by any process must refuse the very next c
 is the hottest read of the service: about four per client per round. On a SQLite file each RPC
 thread keeps its own autocommit, read-only ``sqlite3`` connection, and each lookup is one
 ``SELECT``, its own WAL read transaction: it sees every commit and waits for no writer. That
-skips SQLAlchemy's pool checkout, ``BEGIN`` and rollback, about 0.3 ms of a 0.44 ms lookup
-under load. Other databases run one prebuilt Core statement on the service's engine.
+skips SQLAlchemy's pool checkout, ``BEGIN`` and rollback, which cost more than the read
+itself. Other databases run one prebuilt Core statement on the service's engine.
 """
 
 from __future__ import annotations

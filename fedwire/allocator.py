@@ -4,11 +4,10 @@ A fetch or push is a stream of ≈1 MiB gRPC messages, and each is a few buffers
 size (gRPC's receive slices, the ``bytes`` handed to the deserializer) that live until the next
 message. By default glibc gives such blocks fresh pages (its mmap threshold starts at 128 KiB)
 or returns the top of the heap to the kernel as soon as 2-4 MiB of it is free, so every message
-faults its pages in, zeroed, again: about 7,000 page faults per 45 MB fetch, and page faults
-took a sixth of the client's CPU (``getrusage``, ``perf``). With blocks up to
+faults its pages in, zeroed, again: a page fault per 4 KiB of every message. With blocks up to
 :data:`MMAP_THRESHOLD` served from the heap and up to :data:`TRIM_THRESHOLD` of free heap kept,
-the next message reuses the last one's pages: 1,000-2,500 faults per fetch, mostly the model's
-own new arrays, and about a tenth less client CPU.
+the next message reuses the last one's pages, and what still faults is mostly the model's own
+new arrays (``benchmarks/transport.py`` prints page faults per fetch).
 
 The cost is memory a process keeps after a transfer: at most ``TRIM_THRESHOLD`` of free heap
 per malloc arena. Entry points call :func:`reuse_message_buffers` once (``fedatoms aggregator

@@ -7,8 +7,9 @@ does not know about. :func:`exclusive_federation` makes the second one refuse to
 * **PostgreSQL**: a session-level advisory lock, keyed by database, schema and federation name,
   on a connection kept open while serving. PostgreSQL drops it when that session ends, so a
   killed aggregator never leaves it behind.
-* **SQLite**: ``flock`` on a file beside the database (``<database>.<federation>.lock``), which
-  also names the holder's pid. The kernel drops it when the process dies, ``kill -9`` included.
+* **SQLite**: ``flock`` on a file beside the database, ``<database>.<federation>-<hash>.lock``
+  (the name made safe for a file name, plus a hash of it), which also names the holder's pid.
+  The kernel drops it when the process dies, ``kill -9`` included.
 """
 
 from __future__ import annotations

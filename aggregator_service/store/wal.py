@@ -3,9 +3,8 @@
 By default SQLite checkpoints inside ``COMMIT``: the commit that takes the WAL past
 ``wal_autocheckpoint`` pages (1000, 64 MB at the store's 64 KiB pages) also copies the whole WAL
 into the database file and fsyncs it before it returns. The aggregator acknowledges an update
-only after its commit, so with resnet18 (45 MB an update) every other push waited ~100 ms more
-for a checkpoint: acknowledged in 127 ms at the median instead of ~75 (benchmarks/transport.py,
-this machine).
+only after its commit, so with updates of tens of megabytes every other push would wait for a
+whole checkpoint before its acknowledgement.
 
 A writer engine of the store therefore moves the automatic checkpoint out of reach
 (:data:`BACKSTOP_PAGES`) and gives the work to a :class:`WalCheckpointer`: a daemon thread with
