@@ -61,7 +61,8 @@ def _check_one(what: str, name: str, array: Any, spec: TensorSpec, tier: str) ->
     if not all_finite(arr):
         bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
         raise InvalidArgument(f"{what} {name!r}: {bad} NaN or Inf values; only finite values are accepted")
-    return np.ascontiguousarray(arr.astype(spec.dtype, copy=False))
+    # np.require keeps the rank: ascontiguousarray would turn BatchNorm's 0-d num_batches_tracked into (1,)
+    return np.require(arr.astype(spec.dtype, copy=False), requirements="C")
 
 
 def check_tensors(
