@@ -110,9 +110,7 @@ class Federation:
         self.sampler = sampler
         self.fp16 = fp16
         if global_tensors is None:
-            with torch.random.fork_rng():
-                torch.manual_seed(init_seed)
-                global_tensors = self.spec.build().state_dict()
+            global_tensors = self.spec.initial_model(init_seed).state_dict()
         missing = set(self.spec.names) - set(global_tensors)
         if missing:
             raise ValueError(f"global model lacks tensors {sorted(missing)[:5]}")

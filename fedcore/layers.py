@@ -140,7 +140,10 @@ def atoms_from_filters(weight: Tensor, num_atoms: int) -> tuple[Tensor, Tensor]:
     o, i, k, _ = weight.shape
     k2 = k * k
     stack = weight.detach().to(torch.float64).reshape(o * i, k2)
-    _, _, vh = torch.linalg.svd(stack, full_matrices=True)  # vh: (k2, k2)
+    # right singular vectors from the k²×k² Gram matrix: a full basis even when o·i < k², and no
+    # (o·i)² left factor for wide layers
+    eigenvalues, eigenvectors = torch.linalg.eigh(stack.T @ stack)
+    vh = eigenvectors[:, eigenvalues.argsort(descending=True)].T  # (k2, k2), rows by decreasing energy
     used = min(num_atoms, k2)
     atoms = torch.zeros(num_atoms, k2, dtype=torch.float64)
     atoms[:used] = vh[:used]

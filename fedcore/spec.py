@@ -17,6 +17,7 @@ from functools import cache
 import torch
 from torch import Tensor, nn
 
+from fedcore.factorize import load_from_plain
 from fedcore.layers import (
     AtomConv2d,
     LowRankConv2d,
@@ -228,6 +229,19 @@ class ModelSpec:
 
     def build(self) -> nn.Module:
         return build_model(self.model, self.num_classes, self.factorization, self.num_atoms, self.rank_ratio)
+
+    def initial_model(self, seed: int) -> nn.Module:
+        """Round 0's model: the plain model drawn from ``seed``, then factorized to this spec.
+
+        Every factorization of the same seed therefore starts from the same effective filters
+        (:mod:`fedcore.factorize`); the caller's random stream is left as it was.
+        """
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            plain = build_model(self.model, self.num_classes, "none")
+            if self.factorization == "none":
+                return plain
+            return load_from_plain(self.build(), plain)
 
     # -- JSON
     def to_dict(self) -> dict:

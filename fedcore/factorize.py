@@ -1,0 +1,88 @@
+"""A factorized model loaded from a plain one, so every factorization starts from the same function.
+
+Comparisons between ``none``, ``atoms``, ``lowrank`` and ``atoms-lowrank`` are fair only when
+round 0's effective filters are equal. The plain model is built once from the seed (PyTorch's
+default initialization, the one :mod:`fedcore.models` documents), and each factorized layer is
+fitted to the plain layer at the same path: an :class:`AtomConv2d` by the SVD of the stacked
+``k×k`` filters (exact when ``num_atoms ≥ k²``), low-rank factors by truncated SVD (the best
+rank-``r`` approximation, FedHM's spectral initialization). Every other tensor (BatchNorm,
+heads, 1×1 convs, biases) is copied as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fedcore.layers import (
+    AtomConv2d,
+    LowRankConv2d,
+    LowRankLinear,
+    atoms_from_filters,
+    coefficients_to_matrix,
+    conv_weight_to_matrix,
+    matrix_to_factors,
+)
+
+__all__ = ["load_from_plain"]
+
+_FACTORIZED = (AtomConv2d, LowRankConv2d, LowRankLinear)
+
+
+@torch.no_grad()
+def load_from_plain(model: nn.Module, plain: nn.Module) -> nn.Module:
+    """Set ``model``'s tensors from ``plain`` (the same architecture, unfactorized); returns ``model``.
+
+    Raises
+    ------
+    ValueError
+        When a factorized layer has no plain layer of matching shape at its path.
+    """
+    plain_modules = dict(plain.named_modules())
+    covered: set[str] = set()
+    for path, layer in model.named_modules():
+        if not isinstance(layer, _FACTORIZED):
+            continue
+        source = plain_modules.get(path)
+        expected = nn.Linear if isinstance(layer, LowRankLinear) else nn.Conv2d
+        if not isinstance(source, expected) or source.weight.shape != _full_shape(layer):
+            raise ValueError(f"{path}: no plain {expected.__name__} of shape {tuple(_full_shape(layer))} to fit")
+        _fit(layer, source)
+        covered.update(f"{path}.{name}" if path else name for name, _ in layer.named_parameters())
+    plain_state = plain.state_dict()
+    for name, tensor in model.state_dict().items():
+        if name in covered:
+            continue
+        if name not in plain_state or plain_state[name].shape != tensor.shape:
+            raise ValueError(f"{name}: the plain model has no tensor of shape {tuple(tensor.shape)}")
+        tensor.copy_(plain_state[name])
+    return model
+
+
+def _full_shape(layer: nn.Module) -> torch.Size:
+    if isinstance(layer, LowRankLinear):
+        return torch.Size((layer.out_features, layer.in_features))
+    k = layer.kernel_size
+    return torch.Size((layer.out_channels, layer.in_channels, k, k))
+
+
+def _fit(layer: nn.Module, source: nn.Conv2d | nn.Linear) -> None:
+    weight = source.weight.detach()
+    if isinstance(layer, AtomConv2d):
+        coefficients, atoms = atoms_from_filters(weight, layer.num_atoms)
+        layer.atoms.copy_(atoms)
+        if layer.rank is None:
+            layer.coefficients.copy_(coefficients)
+        else:
+            u, v = matrix_to_factors(coefficients_to_matrix(coefficients), layer.rank)
+            layer.coefficients_u.copy_(u)
+            layer.coefficients_v.copy_(v)
+    else:
+        matrix = weight if isinstance(layer, LowRankLinear) else conv_weight_to_matrix(weight)
+        u, v = matrix_to_factors(matrix, layer.rank)
+        layer.lowrank_u.copy_(u)
+        layer.lowrank_v.copy_(v)
+    if layer.bias is not None:
+        if source.bias is None:
+            raise ValueError(f"{type(layer).__name__} has a bias the plain layer lacks")
+        layer.bias.copy_(source.bias)
