@@ -18,9 +18,9 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from aggregator_service.aggregation import build_strategy
 from aggregator_service.intervals import build_policy
 from aggregator_service.rounds import CohortSampler, Federation
+from aggregator_service.strategies import build_strategy
 from fedcore.spec import ModelSpec
 from fedcore.tiers import TIERS
 from fedcore.training import TrainConfig

@@ -3,7 +3,7 @@
 Everything here is pure (no database, no networking) so the simulator and the gRPC service
 report identical numbers. FedLAMA's discrepancy ``d_l`` lives with the interval policies
 (:mod:`aggregator_service.intervals`); the per-tensor dispersion ``Σ_k p_k ‖x_k − u‖²`` comes
-from the streaming accumulator in :mod:`aggregator_service.aggregation`.
+from the streaming accumulator in :mod:`aggregator_service.weighted_mean`.
 """
 
 from __future__ import annotations

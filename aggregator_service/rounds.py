@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from aggregator_service.aggregation import AggregateResult, ClientUpdate, RoundAccumulator, Strategy, refactorize
 from aggregator_service.intervals import IntervalPolicy, discrepancy
 from aggregator_service.metrics import latent_clients
+from aggregator_service.refactorization import refactorize
+from aggregator_service.strategies import RoundAccumulator, Strategy
+from aggregator_service.updates import AggregateResult, ClientUpdate
 from fedcore.keys import derive_seed
 from fedcore.spec import ModelSpec
 

@@ -65,7 +65,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from aggregator_service.aggregation import ClientUpdate, FedAvg
+from aggregator_service.strategies import FedAvg
+from aggregator_service.updates import ClientUpdate
 from fedcore.models import model_info
 from fedcore.spec import ModelSpec
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from aggregator_service.aggregation import ClientUpdate
 from aggregator_service.config import FederationConfig
 from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome
+from aggregator_service.updates import ClientUpdate
 from fedcore.keys import derive_seed
 from client_agent.pool import Population, VirtualClient
 from client_agent.update import ClientEvaluation, TrainTask, evaluate_client, run_task

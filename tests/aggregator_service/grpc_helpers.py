@@ -18,9 +18,9 @@ from sqlalchemy.orm import Session
 from support import free_port, wait_serving  # noqa: F401  (re-exported for the service tests)
 
 from aggregator_service import store
-from aggregator_service.aggregation import ClientUpdate
 from aggregator_service.config import FederationConfig
 from aggregator_service.rounds import Federation, RoundPlan
+from aggregator_service.updates import ClientUpdate
 from fedcore.keys import client_key
 from client_agent.state import ClientState
 from client_agent.transport import task_from_proto

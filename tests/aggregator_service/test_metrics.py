@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import Tensor
 
-from aggregator_service.aggregation import ClientUpdate, FedAvg, WeightedMean, refactorize
 from aggregator_service.metrics import (
     BandwidthLedger,
     Transfer,
@@ -25,6 +24,10 @@ from aggregator_service.metrics import (
     latent_clients,
     total_dispersion,
 )
+from aggregator_service.refactorization import refactorize
+from aggregator_service.strategies import FedAvg
+from aggregator_service.updates import ClientUpdate
+from aggregator_service.weighted_mean import WeightedMean
 from fedcore.codec import encode
 from fedcore.layers import reconstruct_filter
 from fedcore.spec import ModelSpec

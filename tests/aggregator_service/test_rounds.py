@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aggregator_service.aggregation import ClientUpdate, FedAvg, refactorize
 from aggregator_service.intervals import EveryRound, FedLAMA, FixedSchedule
+from aggregator_service.refactorization import refactorize
 from aggregator_service.rounds import CohortSampler, Federation
+from aggregator_service.strategies import FedAvg
+from aggregator_service.updates import ClientUpdate
 from fedcore.keys import derive_seed
 from fedcore.spec import ModelSpec
 

@@ -1,0 +1,142 @@
+"""FedAvg, and FedHM's aligned average over heterogeneous tiers (McMahan et al.; FedHM eq. 1–2).
+
+A client of tier γ pushes its tier's tensors; :meth:`ModelSpec.to_full` aligns them back to
+full rank (FedHM eq. 1) before they are averaged with the :func:`client_weight` weights.
+
+Decomposed layers need nothing special: atoms ``D`` and coefficients ``α`` are separate
+tensors, so averaging them separately *is* the product of averages ``ᾱ × D̄`` (the
+decomposition paper's eq. 5–6, with its ``m² − m`` latent clients); the accumulator also
+folds each client's effective filters ``α_k × D_k`` to report their dispersion around
+``ᾱ × D̄`` (:mod:`aggregator_service.metrics`).
+
+Other strategies that keep FedAvg's server average subclass :class:`FedAvg` and override
+:meth:`~FedAvg.fold`, :meth:`~FedAvg.finish` or the per-tensor step :meth:`~FedAvg._new_value`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+from torch import Tensor
+
+from aggregator_service.metrics import effective_dispersion, effective_filters
+from aggregator_service.strategies.base import RoundAccumulator, Strategy
+from aggregator_service.updates import AggregateResult, ClientUpdate
+from aggregator_service.weighted_mean import WEIGHTINGS, client_weight
+from fedcore.spec import ModelSpec
+
+__all__ = ["FedAvg"]
+
+
+class FedAvg(Strategy):
+    """Aligned weighted average of the due tensors (FedAvg; FedHM with ``weighting="tier-softmax"``).
+
+    Parameters
+    ----------
+    weighting, temperature
+        Client weights, see :func:`client_weight`. FedHM's dynamic setting is
+        ``weighting="tier-softmax", temperature=5``; its fixed setting is ``τ = ∞`` (FedAvg).
+    keep_local_buffers
+        Never aggregate ``buffer`` tensors (BN running statistics stay on each client, as in
+        FedBN/SiloBN); they keep their global value.
+    """
+
+    name: ClassVar[str] = "fedavg"
+
+    def __init__(
+        self, weighting: str = "samples", temperature: float = math.inf, keep_local_buffers: bool = False
+    ) -> None:
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
+        if not temperature > 0.0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.weighting = weighting
+        self.temperature = float(temperature)
+        self.keep_local_buffers = keep_local_buffers
+
+    def local_tensors(self, spec: ModelSpec) -> frozenset[str]:
+        if not self.keep_local_buffers:
+            return frozenset()
+        return frozenset(t.name for t in spec.full().tensors if t.role == "buffer")
+
+    def _accumulator(self, due: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> RoundAccumulator:
+        return RoundAccumulator(due, shapes)
+
+    def begin(self, global_tensors: Mapping[str, Tensor], due: Sequence[str]) -> RoundAccumulator:
+        missing = [n for n in due if n not in global_tensors]
+        if missing:
+            raise KeyError(f"due tensors {missing[:5]} are not part of the global model")
+        names = tuple(dict.fromkeys(due))
+        return self._accumulator(names, {n: tuple(global_tensors[n].shape) for n in names})
+
+    def _aligned(self, acc: RoundAccumulator, update: ClientUpdate) -> dict[str, Tensor]:
+        """The update's due tensors at full rank, minus local ones; shapes checked."""
+        try:
+            full = update.spec.to_full(update.tensors)
+        except KeyError as exc:
+            raise ValueError(f"client {update.client_id}: {exc.args[0]}") from exc
+        local = self.local_tensors(update.spec)
+        out: dict[str, Tensor] = {}
+        for name, tensor in full.items():
+            if name not in acc.shapes or name in local:
+                continue  # not due this round (or never aggregated): ignored
+            if tuple(tensor.shape) != acc.shapes[name]:
+                raise ValueError(
+                    f"client {update.client_id}: {name!r} aligns to shape {tuple(tensor.shape)}, "
+                    f"the global model has {acc.shapes[name]}"
+                )
+            out[name] = tensor
+        return out
+
+    def fold(self, acc: RoundAccumulator, update: ClientUpdate) -> None:
+        if update.client_id in acc.reported:
+            raise ValueError(f"client {update.client_id} was already folded into this round")
+        aligned = self._aligned(acc, update)
+        weight = client_weight(update, self.weighting, self.temperature)
+        acc.tensors.add(aligned, weight)
+        acc.filters.add(effective_filters(aligned), weight)
+        acc.weights.append(weight)
+        acc.client_ids.append(update.client_id)
+        acc.reported.add(update.client_id)
+        for key, value in update.metrics.items():
+            acc.metric_sums[key] = acc.metric_sums.get(key, 0.0) + update.num_samples * float(value)
+            acc.metric_weights[key] = acc.metric_weights.get(key, 0.0) + update.num_samples
+
+    def _new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
+        """The new global value from the clients' weighted mean (cast to the tensor's dtype, and in float64).
+
+        FedAvg: the mean itself.
+        """
+        return mean
+
+    def finish(self, acc: RoundAccumulator, global_tensors: Mapping[str, Tensor]) -> AggregateResult:
+        means, raw = acc.tensors.mean(), acc.tensors.mean(cast=False)
+        tensors = {
+            name: self._new_value(name, means[name], raw[name], global_tensors[name]).to(global_tensors[name].dtype)
+            for name in acc.due
+            if name in means
+        }
+        filters = acc.filters.mean(cast=False)
+        filter_dispersion = acc.filters.dispersion()
+        effective: dict[str, float] = {}
+        for module, filter_mean in filters.items():
+            prefix = f"{module}." if module else ""
+            a_name, d_name = f"{prefix}coefficients", f"{prefix}atoms"
+            w = acc.filters.weight(module)
+            if w == acc.tensors.weight(a_name) == acc.tensors.weight(d_name):  # the same clients held all three
+                effective[module] = effective_dispersion(
+                    filter_mean, filter_dispersion[module], raw[a_name], raw[d_name]
+                )
+        total = math.fsum(acc.weights)
+        return AggregateResult(
+            tensors=tensors,
+            dispersion=acc.tensors.dispersion(),
+            effective_dispersion=effective,
+            num_clients=len(acc.weights),
+            total_weight=total,
+            weights=[w / total for w in acc.weights],
+            client_ids=list(acc.client_ids),
+            metrics={k: acc.metric_sums[k] / acc.metric_weights[k] for k in acc.metric_sums},
+        )

@@ -1,0 +1,82 @@
+"""The records a round passes between clients, strategies and the caller: one push in, one close out.
+
+The server keeps the global model as full-rank tensors named as in ``spec.full().tensors``;
+a :class:`ClientUpdate` holds its tier's tensors (the due subset) and the strategy aligns them
+back to full rank (FedHM eq. 1) when it folds them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from fedcore.spec import ModelSpec
+
+__all__ = ["AggregateResult", "ClientUpdate"]
+
+
+@dataclass(frozen=True)
+class ClientUpdate:
+    """One client's push for one round.
+
+    ``tensors`` are named as in the client's tier ``spec`` (factor pairs whole) and hold the
+    due subset; ``control_delta`` is SCAFFOLD's ``Δc_k = c_k⁺ − c_k``, keyed by the tier's
+    trainable tensor names.
+    """
+
+    client_id: str
+    num_samples: int
+    tier: float
+    spec: ModelSpec
+    tensors: Mapping[str, Tensor]
+    control_delta: Mapping[str, Tensor] | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise ValueError(f"client {self.client_id}: num_samples must be ≥ 1, got {self.num_samples}")
+        if not 0.0 < self.tier <= 1.0:
+            raise ValueError(f"client {self.client_id}: tier must be in (0, 1], got {self.tier}")
+        if not math.isclose(self.tier, self.spec.rank_ratio):
+            raise ValueError(
+                f"client {self.client_id}: tier {self.tier:g} differs from its spec's rank_ratio "
+                f"{self.spec.rank_ratio:g} ({self.spec.describe()})"
+            )
+
+
+@dataclass
+class AggregateResult:
+    """What closing a round produced.
+
+    Attributes
+    ----------
+    tensors
+        Full-rank name → new global value, for the due tensors that received at least one
+        contribution (local tensors such as kept BN buffers never appear).
+    dispersion
+        Full-rank name → ``Σ_k p_k ‖x_k − u‖²`` of the aligned client tensors around their
+        weighted mean ``u`` (the variance the dashboard shows; FedLAMA's ``d_l`` builds on it).
+    effective_dispersion
+        Conv module → ``Σ_k p_k ‖α_k × D_k − ᾱ × D̄‖²`` (only modules whose atoms and
+        coefficients were both due).
+    num_clients, total_weight
+        Updates folded and the sum of their (unnormalized) weights.
+    weights
+        Normalized ``p_k`` in fold order (for the latent-client count and the dashboard).
+    client_ids
+        Client ids in fold order.
+    metrics
+        Sample-weighted mean of each client metric, over the clients that reported it.
+    """
+
+    tensors: dict[str, Tensor]
+    dispersion: dict[str, float]
+    effective_dispersion: dict[str, float]
+    num_clients: int
+    total_weight: float
+    weights: list[float]
+    client_ids: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,148 @@
+"""FedAvg and FedHM against batch references: aligned low-rank updates, tier weights, due tensors, buffers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from strategy_helpers import DIGITS, LENET, TIERS, batch_mean, random_tensors, run_round, update
+from torch import Tensor
+
+from aggregator_service.refactorization import refactorize
+from aggregator_service.strategies import FedAvg
+from aggregator_service.updates import ClientUpdate
+from fedcore.spec import ModelSpec
+
+# --------------------------------------------------------------------------- alignment and FedHM
+
+
+def tier_models(spec: ModelSpec, tiers: list[float], seed: int) -> list[tuple[ModelSpec, dict[str, Tensor]]]:
+    """Independently initialized client models for each tier, as a client would push them."""
+    out = []
+    for i, tier in enumerate(tiers):
+        tier_spec = spec.at_tier(tier)
+        torch.manual_seed(seed + i)
+        out.append((tier_spec, tier_spec.build().state_dict()))
+    return out
+
+
+@pytest.mark.parametrize(
+    "spec", [LENET, ModelSpec("digits-cnn", 10, "lowrank"), ModelSpec("digits-cnn", 10, "atoms-lowrank")]
+)
+def test_low_rank_updates_are_aligned_before_averaging(spec: ModelSpec) -> None:
+    clients = tier_models(spec, [1.0, 0.25, 1.0, 0.25], seed=10)
+    samples = [30, 50, 20, 70]
+    global_tensors = {n: torch.zeros(t.shape) for n, t in ((t.name, t) for t in spec.full().tensors)}
+    updates = [update(s, t, n, f"c{i}") for i, ((s, t), n) in enumerate(zip(clients, samples, strict=True))]
+    result = run_round(FedAvg(), global_tensors, updates)
+    assert any(t.full_name for t in spec.at_tier(0.25).tensors)  # really factorized
+    aligned = [s.to_full(t) for s, t in clients]
+    assert set(result.tensors) == set(global_tensors)
+    for name in global_tensors:
+        ref, disp = batch_mean([a[name] for a in aligned], samples)
+        torch.testing.assert_close(result.tensors[name], ref.to(torch.float32), rtol=1e-5, atol=1e-6)
+        assert result.dispersion[name] == pytest.approx(disp, rel=1e-6)
+    assert result.weights == pytest.approx([n / sum(samples) for n in samples])
+    assert result.num_clients == 4 and result.total_weight == sum(samples)
+    assert result.client_ids == ["c0", "c1", "c2", "c3"]
+
+
+def test_fedhm_at_full_rank_and_infinite_temperature_is_fedavg() -> None:
+    gen = torch.Generator().manual_seed(3)
+    global_tensors = random_tensors(LENET, gen)
+    updates = [update(LENET, random_tensors(LENET, gen), n, f"c{n}") for n in (10, 40, 25)]
+    fedavg = run_round(FedAvg(), global_tensors, updates)
+    fedhm = run_round(FedAvg("tier-softmax", math.inf), global_tensors, updates)
+    assert fedavg.tensors.keys() == fedhm.tensors.keys()
+    for name in fedavg.tensors:
+        assert torch.equal(fedavg.tensors[name], fedhm.tensors[name])
+    assert fedavg.dispersion == fedhm.dispersion
+    assert fedavg.weights == fedhm.weights
+
+
+def test_tier_softmax_weights_follow_eq2() -> None:
+    gen = torch.Generator().manual_seed(4)
+    global_tensors = random_tensors(LENET, gen)
+    tiers = refactorize(global_tensors, [LENET.at_tier(g) for g in TIERS])
+    updates = [update(LENET.at_tier(g), tiers[g], 100, f"c{i}") for i, g in enumerate(TIERS)]
+    result = run_round(FedAvg("tier-softmax", 5.0), global_tensors, updates)
+    assert result.weights == pytest.approx([0.2774, 0.2510, 0.2388, 0.2329], abs=1e-4)
+    # unequal data keeps n_k: weight ∝ n_k·exp(γ_k/τ)
+    uneven = [update(u.spec, dict(u.tensors), n, u.client_id) for u, n in zip(updates, (10, 20, 30, 40), strict=True)]
+    result = run_round(FedAvg("tier-softmax", 5.0), global_tensors, uneven)
+    raw = [n * math.exp(g / 5.0) for n, g in zip((10, 20, 30, 40), TIERS, strict=True)]
+    assert result.weights == pytest.approx([r / sum(raw) for r in raw], rel=1e-12)
+
+
+# --------------------------------------------------------------------------- due tensors, buffers
+
+
+def test_only_due_tensors_change() -> None:
+    gen = torch.Generator().manual_seed(5)
+    global_tensors = random_tensors(DIGITS, gen)
+    due = ["conv2.weight", "head.bias"]
+    # clients push their whole state; what is not due is ignored
+    updates = [update(DIGITS, random_tensors(DIGITS, gen), 10 + i, f"c{i}") for i in range(3)]
+    result = run_round(FedAvg(), global_tensors, updates, due)
+    assert set(result.tensors) == set(due) == set(result.dispersion)
+    new_global = {**global_tensors, **result.tensors}
+    for name in global_tensors:
+        if name not in due:
+            assert torch.equal(new_global[name], global_tensors[name])
+        else:
+            assert not torch.equal(new_global[name], global_tensors[name])
+    with pytest.raises(KeyError, match="not part of the global model"):
+        FedAvg().begin(global_tensors, ["nope.weight"])
+
+
+def test_keep_local_buffers_excludes_buffers() -> None:
+    spec = ModelSpec("resnet18", 10, "none")
+    names = ["conv1.weight", "bn1.weight", "bn1.bias", "bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"]
+    buffers = {"bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"}
+    gen = torch.Generator().manual_seed(6)
+    every = random_tensors(spec, gen)
+    global_tensors = {n: every[n] for n in names}
+
+    def client(i: int) -> ClientUpdate:
+        tensors = {n: t + i for n, t in global_tensors.items()}
+        return update(spec, tensors, 10, f"c{i}")
+
+    kept = FedAvg(keep_local_buffers=True)
+    assert buffers <= kept.local_tensors(spec)
+    assert all(spec.tensor(n).role == "buffer" for n in kept.local_tensors(spec))
+    assert FedAvg().local_tensors(spec) == frozenset()
+    result = run_round(kept, global_tensors, [client(1), client(3)], names)
+    assert set(result.tensors) == set(names) - buffers
+    torch.testing.assert_close(result.tensors["bn1.weight"], global_tensors["bn1.weight"] + 2)
+    shared = run_round(FedAvg(), global_tensors, [client(1), client(3)], names)
+    assert set(shared.tensors) == set(names)
+    assert shared.tensors["bn1.num_batches_tracked"].dtype == torch.int64
+    assert shared.tensors["bn1.num_batches_tracked"] == global_tensors["bn1.num_batches_tracked"] + 2
+
+
+def test_fold_rejects_bad_updates() -> None:
+    gen = torch.Generator().manual_seed(7)
+    global_tensors = random_tensors(DIGITS, gen)
+    strategy = FedAvg()
+    acc = strategy.begin(global_tensors, list(global_tensors))
+    strategy.fold(acc, update(DIGITS, {"head.bias": torch.zeros(10)}, 5, "a"))
+    with pytest.raises(ValueError, match="already folded"):
+        strategy.fold(acc, update(DIGITS, {"head.bias": torch.zeros(10)}, 5, "a"))
+    with pytest.raises(ValueError, match="shape"):
+        strategy.fold(acc, update(DIGITS, {"head.bias": torch.zeros(11)}, 5, "b"))
+    with pytest.raises(ValueError, match="not part of"):
+        strategy.fold(acc, update(DIGITS, {"fc9.bias": torch.zeros(10)}, 5, "c"))
+    low = ModelSpec("digits-cnn", 10, "lowrank", rank_ratio=0.25)
+    with pytest.raises(ValueError, match="factor pair"):
+        strategy.fold(acc, update(low, {"fc1.lowrank_u": torch.zeros(128, 32)}, 5, "d"))
+
+
+def test_client_metrics_are_sample_weighted() -> None:
+    global_tensors = {"head.bias": torch.zeros(10)}
+    updates = [
+        ClientUpdate("a", 10, 1.0, DIGITS, {"head.bias": torch.ones(10)}, metrics={"acc": 0.5, "loss": 1.0}),
+        ClientUpdate("b", 30, 1.0, DIGITS, {"head.bias": torch.ones(10)}, metrics={"acc": 0.9}),
+    ]
+    result = run_round(FedAvg(), global_tensors, updates)
+    assert result.metrics == pytest.approx({"acc": 0.8, "loss": 1.0})

@@ -1,0 +1,22 @@
+"""Strategies by name, and the stateless default of the base class."""
+
+from __future__ import annotations
+
+import pytest
+
+from aggregator_service.strategies import STRATEGIES, FedAvg, FedProx, Scaffold, build_strategy
+
+
+def test_registry() -> None:
+    assert set(STRATEGIES) == {"fedavg", "fedprox", "scaffold"}
+    assert isinstance(build_strategy("fedavg", weighting="tier-softmax", temperature=5.0), FedAvg)
+    prox = build_strategy("fedprox", mu=0.5)
+    assert isinstance(prox, FedProx) and prox.client_config() == {"prox_mu": 0.5}
+    assert isinstance(build_strategy("scaffold", num_clients_total=3), Scaffold)
+    with pytest.raises(ValueError, match="unknown strategy"):
+        build_strategy("fedyogi")
+    with pytest.raises(ValueError, match="bad parameters"):
+        build_strategy("fedavg", mu=1.0)
+    assert FedAvg().state_dict() == {}
+    with pytest.raises(ValueError, match="no state"):
+        FedAvg().load_state_dict({"x": 1})
