@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import ipaddress
 import math
-import tomllib
-from contextvars import ContextVar
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import SettingsConfigDict
 
 from aggregator_service.intervals import build_policy
 from aggregator_service.rounds import CohortSampler, Federation
 from aggregator_service.strategies import build_strategy
+from aggregator_service.toml_settings import TomlSettings
 from fedcore.spec import ModelSpec
 from fedcore.tiers import TIERS
 from fedcore.training import TrainConfig
@@ -29,6 +28,11 @@ __all__ = ["DEMO_ENROLLMENT_SECRET", "AggregatorSettings", "FederationConfig", "
 
 #: The default enrollment secret: for local demos only, never for a federation reachable by others.
 DEMO_ENROLLMENT_SECRET = "fedatoms-demo"
+
+#: The local training a federation asks of its clients unless configured otherwise. TrainConfig
+#: declares these hyper-parameters, their checks and their defaults once; a federation departs
+#: from them only in minibatches of 10, FedAvg's B = 10 (McMahan et al.).
+FEDERATION_TRAINING = TrainConfig(batch_size=10)
 
 
 @dataclass
@@ -44,25 +48,25 @@ class FederationConfig:
     min_clients: int = 1
     cohort: str = "period"
     rounds: int = 20
-    local_epochs: int = 1
-    batch_size: int = 10
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
+    local_epochs: int = FEDERATION_TRAINING.local_epochs
+    batch_size: int = FEDERATION_TRAINING.batch_size
+    lr: float = FEDERATION_TRAINING.lr
+    momentum: float = FEDERATION_TRAINING.momentum
+    weight_decay: float = FEDERATION_TRAINING.weight_decay
     strategy: str = "fedavg"
     mu: float = 0.01
     global_lr: float = 1.0
     weighting: str = "samples"
     temperature: float = math.inf
     keep_local_buffers: bool = False
-    frobenius_decay: float = 0.0
+    frobenius_decay: float = FEDERATION_TRAINING.frobenius_decay
     interval_policy: str = "every_round"
     beta: float = 0.2
     tau: int = 1
     phi: int = 2
     warmup_rounds: int = 0
     personal_atoms: bool = False
-    personal_epochs: int | None = None
+    personal_epochs: int | None = FEDERATION_TRAINING.personal_epochs
     fp16: bool = False
     seed: int = 0
 
@@ -107,15 +111,11 @@ class FederationConfig:
         return ModelSpec(self.model, self.num_classes, self.factorization, self.num_atoms)
 
     def train_config(self, device: str = "auto") -> TrainConfig:
-        return TrainConfig(
-            local_epochs=self.local_epochs,
-            batch_size=self.batch_size,
-            lr=self.lr,
-            momentum=self.momentum,
-            weight_decay=self.weight_decay,
+        """What clients train with: the training keys as set here, FedProx's ``mu`` only under fedprox."""
+        return replace(
+            FEDERATION_TRAINING,
+            **{name: getattr(self, name) for name in _TRAINING_KEYS},
             prox_mu=self.mu if self.strategy == "fedprox" else 0.0,
-            frobenius_decay=self.frobenius_decay,
-            personal_epochs=self.personal_epochs,
             device=device,
         )
 
@@ -151,9 +151,12 @@ class FederationConfig:
         )
 
 
+#: FederationConfig's keys that are TrainConfig fields, passed to clients as they are.
+_TRAINING_KEYS = tuple(f.name for f in fields(FederationConfig) if f.name in {g.name for g in fields(TrainConfig)})
+
+
 # --------------------------------------------------------------------------- the aggregator service
 
-_TOML_PATH: ContextVar[Path | None] = ContextVar("_TOML_PATH", default=None)
 _LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
 
 
@@ -176,7 +179,7 @@ def is_loopback(listen: str) -> bool:
         return False
 
 
-class AggregatorSettings(BaseSettings):
+class AggregatorSettings(TomlSettings):
     """How one aggregator process runs: where it listens, its database, security, round timing and the method.
 
     Sources, strongest first: explicit keyword arguments (CLI flags), ``FEDATOMS_*`` environment variables
@@ -245,31 +248,3 @@ class AggregatorSettings(BaseSettings):
         if self.max_push_bytes is not None:
             return self.max_push_bytes
         return 2 * sum(t.numel * 4 for t in self.federation.spec.tensors)
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        path = _TOML_PATH.get()
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if path is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
-        return tuple(sources)
-
-    @classmethod
-    def from_toml(cls, path: str | Path, **overrides: Any) -> AggregatorSettings:
-        """Settings from a TOML file, under ``FEDATOMS_*`` variables and ``overrides`` (``None`` values skipped)."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"configuration file {path} does not exist")
-        tomllib.loads(path.read_text())  # a syntax error names the file here, not deep inside pydantic
-        token = _TOML_PATH.set(path)
-        try:
-            return cls(**{k: v for k, v in overrides.items() if v is not None})
-        finally:
-            _TOML_PATH.reset(token)

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcore.keys import client_key
 from client_agent.state import ClientState
 from fedcore.data import ArrayDataset, load_dataset, local_test_splits, partition
+from fedcore.keys import client_key
 from fedcore.tiers import CapabilityProfile
 
 __all__ = ["Population", "VirtualClient", "WorkerJob", "make_virtual_clients", "register_all", "run_grpc_pool"]
@@ -165,7 +165,8 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
     """Run the job's agents until the federation is done; returns ``{client key: rounds trained}``."""
     import torch
 
-    from client_agent.agent import Agent, ComputeSlot, RoundWatch
+    from client_agent.agent import Agent
+    from client_agent.pacing import ComputeSlot, RoundWatch
     from client_agent.transport import AggregatorClient
     from fedwire.allocator import reuse_message_buffers
 

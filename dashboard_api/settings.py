@@ -8,23 +8,19 @@ file and in ``FEDATOMS_DASHBOARD_*`` variables, which win over the shared ones.
 
 from __future__ import annotations
 
-import tomllib
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator
-from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from aggregator_service.config import split_listen
+from aggregator_service.toml_settings import TomlSettings
 
 __all__ = ["DashboardSettings"]
 
 #: Keys the dashboard shares with the aggregator's settings (top level of its TOML file).
 SHARED_KEYS = ("database_url", "federation_name", "heartbeat_timeout_seconds")
-
-_TOML_DATA: ContextVar[dict[str, Any] | None] = ContextVar("_TOML_DATA", default=None)
 
 
 def _env(name: str) -> AliasChoices:
@@ -32,18 +28,7 @@ def _env(name: str) -> AliasChoices:
     return AliasChoices(f"FEDATOMS_DASHBOARD_{name.upper()}", f"FEDATOMS_{name.upper()}")
 
 
-class _TomlTable(PydanticBaseSettingsSource):
-    """The shared keys of the aggregator's TOML file plus its ``[dashboard]`` table."""
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        data = _TOML_DATA.get() or {}
-        return data.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        return dict(_TOML_DATA.get() or {})
-
-
-class DashboardSettings(BaseSettings):
+class DashboardSettings(TomlSettings):
     """Sources, strongest first: keyword arguments (CLI flags), environment, the TOML file, defaults."""
 
     model_config = SettingsConfigDict(env_prefix="FEDATOMS_DASHBOARD_", extra="forbid", populate_by_name=True)
@@ -78,29 +63,9 @@ class DashboardSettings(BaseSettings):
         return split_listen(self.listen)
 
     @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _TomlTable(settings_cls)
-
-    @classmethod
-    def from_toml(cls, path: str | Path, **overrides: Any) -> DashboardSettings:
-        """Settings from the aggregator's TOML file, under the environment and ``overrides`` (``None`` skipped)."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"configuration file {path} does not exist")
-        doc = tomllib.loads(path.read_text())
-        table = doc.get("dashboard", {})
+    def toml_values(cls, path: Path, document: dict[str, Any]) -> dict[str, Any]:
+        """The aggregator's file serves both processes: its shared keys, then the ``[dashboard]`` table."""
+        table = document.get("dashboard", {})
         if not isinstance(table, dict):
             raise ValueError(f"{path}: [dashboard] must be a table")
-        data = {k: doc[k] for k in SHARED_KEYS if k in doc} | table
-        token = _TOML_DATA.set(data)
-        try:
-            return cls(**{k: v for k, v in overrides.items() if v is not None})
-        finally:
-            _TOML_DATA.reset(token)
+        return {k: document[k] for k in SHARED_KEYS if k in document} | table

@@ -13,7 +13,7 @@ from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.server import build_server
-from client_agent.agent import ComputeSlot, RoundWatch
+from client_agent.pacing import ComputeSlot, RoundWatch
 from client_agent.transport import AggregatorClient
 from fedcore.tiers import CapabilityProfile
 

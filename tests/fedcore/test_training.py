@@ -109,7 +109,7 @@ def test_dropout_is_seeded() -> None:
 def test_cpu_seeding_draws_what_torch_manual_seed_draws() -> None:
     """On CPU only the CPU generator is seeded (torch.manual_seed also queues accelerator seeds, slowly):
     the draws, and so every seeded result, stay those of torch.manual_seed."""
-    from fedcore.training import _seeded
+    from fedcore.training.loop import seeded as _seeded
 
     with _seeded(5, torch.device("cpu")):
         fast = torch.rand(8), torch.randperm(10)

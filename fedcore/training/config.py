@@ -1,0 +1,96 @@
+"""What a local update is asked to do (:class:`TrainConfig`) and what it hands back.
+
+The config travels to clients as JSON, so its checks run wherever one is built or decoded:
+a bad value fails where it is written, not epochs into a client's round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["EvalResult", "LocalResult", "TrainConfig", "check_int"]
+
+
+def check_int(name: str, value: Any, minimum: int) -> None:
+    """Refuse anything but an integer ≥ ``minimum`` (``bool`` included, though Python calls it an int)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer ≥ {minimum}, got {value!r}")
+
+
+def _check_float(name: str, value: Any, *, positive: bool = False, below_one: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be ≥ 0, got {value!r}")
+    if below_one and value >= 1:
+        raise ValueError(f"{name} must be < 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Hyper-parameters of one local update; travels to clients as JSON (:meth:`to_dict`)."""
+
+    local_epochs: int = 1
+    batch_size: int = 32
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    prox_mu: float = 0.0
+    frobenius_decay: float = 0.0
+    personal_epochs: int | None = None
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_int("local_epochs", self.local_epochs, 1)
+        check_int("batch_size", self.batch_size, 1)
+        _check_float("lr", self.lr, positive=True)
+        _check_float("momentum", self.momentum, below_one=True)
+        _check_float("weight_decay", self.weight_decay)
+        _check_float("prox_mu", self.prox_mu)
+        _check_float("frobenius_decay", self.frobenius_decay)
+        if self.personal_epochs is not None:
+            check_int("personal_epochs", self.personal_epochs, 1)
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"device must be a non-empty string, got {self.device!r}")
+
+    @property
+    def effective_personal_epochs(self) -> int:
+        return self.local_epochs if self.personal_epochs is None else self.personal_epochs
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are errors so a typo cannot pass silently."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown TrainConfig fields: {', '.join(sorted(unknown))}")
+        return cls(**dict(data))
+
+
+@dataclass
+class LocalResult:
+    """A client's round: the full trained ``state_dict`` (CPU) plus what the optional methods produce."""
+
+    tensors: dict[str, Tensor]
+    num_samples: int
+    metrics: dict[str, float]
+    control: dict[str, Tensor] | None = None
+    control_delta: dict[str, Tensor] | None = None
+    personal_atoms: dict[str, Tensor] | None = None
+
+
+@dataclass
+class EvalResult:
+    accuracy: float
+    loss: float
+    num_samples: int

@@ -1,0 +1,147 @@
+"""The minibatch SGD loop both phases of a client's round run, and what it stands on.
+
+The device a config names, the client data moved there, seeded shuffling over it, and the
+seeding of torch's global RNG for dropout: the same inputs and seed give bit-identical
+tensors (on CPU; on CUDA as far as the kernels are deterministic), and the caller's global
+RNG is left as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedcore.training.config import TrainConfig
+
+__all__ = ["Batches", "Dataset", "EpochStats", "resolve_device", "seeded", "sgd"]
+
+# Client data up to this size moves to the device once per call; larger data moves per batch.
+_WHOLE_DATA_BYTES = 256 * 2**20
+
+
+class Dataset(Protocol):
+    """What training needs from a dataset: inputs ``x`` (N×C×H×W float) and labels ``y`` (N, int64)."""
+
+    @property
+    def x(self) -> Tensor: ...
+
+    @property
+    def y(self) -> Tensor: ...
+
+    def __len__(self) -> int: ...
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` → CUDA when available, else CPU; anything else is parsed, and CUDA must exist."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {device!r}; use 'auto', 'cpu' or 'cuda[:N]'") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
+    return resolved
+
+
+@contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Seed torch's global RNG (dropout & co.) for the block, restoring the caller's state after."""
+    devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        if device.type == "cpu":
+            # only the CPU generator draws here, and it draws what torch.manual_seed would make it draw;
+            # torch.manual_seed would also queue a seed, with a stack trace, for every accelerator type
+            # torch knows, a cost paid once or twice in every client's round for nothing
+            torch.default_generator.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        yield
+
+
+class Batches:
+    """Client data on the device (once, when small) and seeded shuffled minibatches over it."""
+
+    def __init__(self, data: Dataset, device: torch.device) -> None:
+        x, y = data.x, data.y
+        if len(x) != len(y):
+            raise ValueError(f"dataset has {len(x)} inputs but {len(y)} labels")
+        if len(x) == 0:
+            raise ValueError("dataset is empty")
+        y = y.long()
+        whole = x.element_size() * x.nelement() <= _WHOLE_DATA_BYTES
+        self.x = x.to(device) if whole else x
+        self.y = y.to(device) if whole else y
+        self.device = device
+        self.n = len(x)
+
+    def epoch(self, batch_size: int, generator: torch.Generator | None) -> Iterator[tuple[Tensor, Tensor]]:
+        order = torch.randperm(self.n, generator=generator) if generator is not None else torch.arange(self.n)
+        order = order.to(self.x.device)
+        for start in range(0, self.n, batch_size):
+            idx = order[start : start + batch_size]
+            yield self.x[idx].to(self.device), self.y[idx].to(self.device)
+
+
+@dataclass
+class EpochStats:
+    loss: float
+    accuracy: float
+    steps: int
+
+
+def sgd(
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    batches: Batches,
+    config: TrainConfig,
+    epochs: int,
+    seed: int,
+    penalty: Callable[[], Tensor | None] | None = None,
+    correction: Mapping[str, Tensor] | None = None,
+    on_epoch: Callable[[int, int], None] | None = None,
+) -> EpochStats:
+    """Minibatch SGD on ``params`` with a fresh optimizer (momentum restarts every round).
+
+    ``penalty`` adds a regularizer to the loss; ``correction`` is added to each gradient after
+    backward (SCAFFOLD's ``c − c_i``). Returns the last epoch's mean loss and accuracy.
+    """
+    optimizer = torch.optim.SGD(
+        list(params.values()), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+    generator = torch.Generator().manual_seed(seed)
+    steps = 0
+    loss_sum = torch.zeros((), device=batches.device)
+    correct = torch.zeros((), device=batches.device, dtype=torch.long)
+    for epoch in range(epochs):
+        last = epoch == epochs - 1
+        for xb, yb in batches.epoch(config.batch_size, generator):
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(xb)
+            loss = F.cross_entropy(logits, yb)
+            total = loss
+            if penalty is not None:
+                extra = penalty()
+                if extra is not None:
+                    total = total + extra
+            total.backward()
+            if correction is not None:
+                for name, p in params.items():
+                    if p.grad is None:
+                        p.grad = correction[name].clone()
+                    else:
+                        p.grad.add_(correction[name])
+            optimizer.step()
+            steps += 1
+            if last:
+                loss_sum += loss.detach() * len(yb)
+                correct += (logits.detach().argmax(dim=1) == yb).sum()
+        if on_epoch is not None:
+            on_epoch(epoch + 1, epochs)
+    return EpochStats(float(loss_sum) / batches.n, float(correct) / batches.n, steps)

@@ -1,0 +1,113 @@
+"""One client's round (:func:`local_update`): the SGD loop with the terms its method asks for.
+
+Clients and the in-process simulator call this same function, so both transports compute
+the same rounds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from fedcore.training.config import LocalResult, TrainConfig
+from fedcore.training.loop import Batches, Dataset, resolve_device, seeded, sgd
+from fedcore.training.personal import atom_names, check_personal_atoms, train_personal
+from fedcore.training.terms import combine, control_on, frobenius_penalty, proximal_penalty
+
+__all__ = ["local_update"]
+
+
+def _cpu(t: Tensor) -> Tensor:
+    """A detached CPU copy that shares no storage with the model (the model may train on)."""
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def local_update(
+    model: nn.Module,
+    data: Dataset,
+    config: TrainConfig,
+    *,
+    seed: int,
+    server_control: Mapping[str, Tensor] | None = None,
+    client_control: Mapping[str, Tensor] | None = None,
+    personal_atoms: Mapping[str, Tensor] | None = None,
+    on_epoch: Callable[[int, int], None] | None = None,
+) -> LocalResult:
+    """One client's round of local training; ``model`` is trained in place on the resolved device.
+
+    With ``server_control`` SCAFFOLD (option II) corrects every gradient by ``c − c_i`` and
+    returns ``c_i⁺ = c_i − c + (w_start − w_end)/(K·lr)``. With ``personal_atoms`` the client's
+    atoms are first trained on a frozen copy of the received model (see
+    :func:`~fedcore.training.personal.train_personal_atoms`); the global update that follows
+    is unaffected by it.
+    """
+    began = time.perf_counter()
+    device = resolve_device(config.device)
+    if personal_atoms is not None:
+        check_personal_atoms(model, personal_atoms)
+    model.to(device)
+    was_training = model.training
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        raise ValueError("model has no trainable parameters")
+
+    batches = Batches(data, device)
+    correction: dict[str, Tensor] | None = None
+    c_server: dict[str, Tensor] = {}
+    c_client: dict[str, Tensor] = {}
+    if server_control is not None:
+        c_server = control_on("server_control", server_control, params, device)
+        if client_control is None:
+            c_client = {n: torch.zeros_like(p) for n, p in params.items()}
+        else:
+            c_client = control_on("client_control", client_control, params, device)
+        correction = {n: c_server[n] - c_client[n] for n in params}
+    elif client_control is not None:
+        raise ValueError("client_control without server_control: SCAFFOLD needs the server's control too")
+
+    metrics: dict[str, float] = {}
+    new_personal: dict[str, Tensor] | None = None
+    if personal_atoms is not None:
+        personal, metrics = train_personal(model, batches, config, personal_atoms, seed, device)
+        state = personal.state_dict()
+        new_personal = {name: _cpu(state[name]) for name in atom_names(personal)}
+        del personal
+
+    start = {n: p.detach().clone() for n, p in params.items()} if (config.prox_mu > 0 or correction is not None) else {}
+    penalty = combine(
+        proximal_penalty(params, start, config.prox_mu) if config.prox_mu > 0 else None,
+        frobenius_penalty(model, config.frobenius_decay) if config.frobenius_decay > 0 else None,
+    )
+    model.train()
+    try:
+        with seeded(seed, device):
+            stats = sgd(model, params, batches, config, config.local_epochs, seed, penalty, correction, on_epoch)
+    finally:
+        model.train(was_training)
+
+    control = control_delta = None
+    if correction is not None:
+        scale = stats.steps * config.lr
+        control, control_delta = {}, {}
+        for n, p in params.items():
+            new = c_client[n] - c_server[n] + (start[n] - p.detach()) / scale
+            control[n] = _cpu(new)
+            control_delta[n] = _cpu(new - c_client[n])
+
+    metrics.update(
+        train_loss=stats.loss,
+        train_accuracy=stats.accuracy,
+        steps=float(stats.steps),
+        seconds=time.perf_counter() - began,
+    )
+    return LocalResult(
+        tensors={k: _cpu(v) for k, v in model.state_dict().items()},
+        num_samples=batches.n,
+        metrics=metrics,
+        control=control,
+        control_delta=control_delta,
+        personal_atoms=new_personal,
+    )
