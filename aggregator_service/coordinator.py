@@ -39,10 +39,10 @@ from aggregator_service.errors import FailedPrecondition, InvalidArgument, Permi
 from aggregator_service.group_commit import GroupCommit
 from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome, RoundPlan
-from fedcore.keys import client_key, client_number, derive_seed
 from aggregator_service.token_lookup import TokenLookup
 from aggregator_service.updates import ClientUpdate
 from aggregator_service.validation import check_header, check_tensors
+from fedcore.keys import client_key, client_number, derive_seed
 from fedcore.tiers import CapabilityProfile, NoTierFitsError, assign_tier
 from fedcore.training import TrainConfig
 

@@ -27,12 +27,12 @@ from aggregator_service import store
 from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
 from aggregator_service.coordinator import ClientInfo, Coordinator, Done, Train, kv
 from aggregator_service.errors import InvalidArgument, ServiceError, Unauthenticated
+from fedcore import codec
+from fedcore.tiers import CapabilityProfile
 from fedwire import framing
 from fedwire.allocator import reuse_message_buffers
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
-from fedcore import codec
-from fedcore.tiers import CapabilityProfile
 
 __all__ = ["MAX_MESSAGE_BYTES", "SERVICE_NAME", "AggregatorServicer", "DeadlineTicker", "build_server", "serve"]
 

@@ -68,11 +68,11 @@ from aggregator_service.config import AggregatorSettings, FederationConfig
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.server import build_server
 from client_agent.transport import channel_options
+from fedcore import codec
 from fedwire import framing
 from fedwire.allocator import reuse_message_buffers
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
-from fedcore import codec
 
 _RAW_REQUEST = struct.Struct("!cQ")  # b"G": the aggregator sends n bytes; b"P": it receives n bytes
 

@@ -26,13 +26,13 @@ import torch
 from torch import Tensor
 
 from client_agent.update import TrainTask
-from fedwire import framing
-from fedwire.v1 import aggregator_pb2 as pb
-from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 from fedcore import codec
 from fedcore.spec import ModelSpec
 from fedcore.tiers import CapabilityProfile
 from fedcore.training import TrainConfig
+from fedwire import framing
+from fedwire.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
 __all__ = [
     "MAX_MESSAGE_BYTES",

@@ -19,14 +19,15 @@ from typing import Any
 import torch
 
 from aggregator_service.config import FederationConfig
-from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
+from aggregator_service.metrics import DIRECTIONS, BandwidthLedger, fedavg_equivalent_bytes, total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome
 from aggregator_service.updates import ClientUpdate
-from fedcore.keys import derive_seed
 from client_agent.pool import Population, VirtualClient
 from client_agent.update import ClientEvaluation, TrainTask, evaluate_client, run_task
+from fedatoms.records import TOTALS, accumulate, mean_or_none, summarize
 from fedcore.codec import decode, encode
 from fedcore.data import INPUT_SHAPES, NUM_CLASSES, ArrayDataset, load_dataset
+from fedcore.keys import derive_seed
 from fedcore.models import model_info
 from fedcore.spec import ModelSpec
 from fedcore.training import evaluate
@@ -88,19 +89,18 @@ class SimulationConfig(FederationConfig):
         data.update(overrides or {})
         return cls(**data)
 
-
-def population(config: SimulationConfig) -> Population:
-    """The virtual clients of ``config``, as a recipe any process can rebuild."""
-    return Population(
-        config.dataset,
-        config.data_dir,
-        config.clients,
-        tuple(config.tiers),
-        config.partition,
-        config.classes_per_client,
-        config.dirichlet_alpha,
-        config.seed,
-    )
+    def population(self) -> Population:
+        """The virtual clients, as a recipe any process can rebuild (both transports build them from it)."""
+        return Population(
+            self.dataset,
+            self.data_dir,
+            self.clients,
+            tuple(self.tiers),
+            self.partition,
+            self.classes_per_client,
+            self.dirichlet_alpha,
+            self.seed,
+        )
 
 
 def build_federation(config: SimulationConfig) -> Federation:
@@ -142,23 +142,22 @@ def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: di
     started = time.perf_counter()
     train, test = load_dataset(config.dataset, config.data_dir, download=config.download)
     federation = build_federation(config)
-    clients = population(config).clients(train, test)
+    clients = config.population().clients(train, test)
     by_id = {c.client_id: c for c in clients}
     train_config = config.train_config(device=config.device)
     fedavg_bytes_per_client = fedavg_equivalent_bytes(config.spec, 1)
     records: list[dict[str, Any]] = []
-    totals = {"bytes_up": 0, "bytes_down": 0, "fedavg_equivalent_bytes": 0}
+    totals = dict.fromkeys(TOTALS, 0)
     for r in range(1, config.rounds + 1):
         t0 = time.perf_counter()
         plan = federation.plan(r, list(by_id))
         federation.begin(plan)
-        down: dict[str, int] = {}
-        up: dict[str, int] = {}
+        ledger = BandwidthLedger(fp16=config.fp16)  # one round's: its record reads it, then it is dropped
         control = federation.strategy.client_config()
         server_control = federation.strategy.server_control() if control.get("scaffold") else None
         for cid in plan.cohort:  # fixed fold order: sorted client ids
             vc = by_id[cid]
-            tier_spec, owner = _fetch(federation, vc, config.fp16, down)
+            tier_spec, owner = _fetch(federation, vc, ledger, r)
             task = TrainTask(
                 round=r,
                 due=federation.tier_due(vc.state.tier, plan.due),
@@ -166,7 +165,7 @@ def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: di
                 continue_unsynced=plan.continue_unsynced,
                 seed=derive_seed(config.seed, r, cid),
                 strategy=control,
-                server_control=None if server_control is None else _send(server_control, config.fp16, down, owner),
+                server_control=None if server_control is None else _send(server_control, ledger, r, cid, "down", owner),
                 local=federation.local_tier_tensors(vc.state.tier),
             )
             push = run_task(vc.state, tier_spec, task, vc.train, personal_atoms=config.personal_atoms)
@@ -177,8 +176,8 @@ def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: di
                     num_samples=push.num_samples,
                     tier=vc.state.tier,
                     spec=tier_spec,
-                    tensors=_send(push.tensors, config.fp16, up, owner),
-                    control_delta=None if delta is None else _send(delta, config.fp16, up, owner),
+                    tensors=_send(push.tensors, ledger, r, cid, "up", owner),
+                    control_delta=None if delta is None else _send(delta, ledger, r, cid, "up", owner),
                     metrics=push.metrics,
                 )
             )
@@ -187,14 +186,12 @@ def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: di
         evaluations = []
         for cid in plan.cohort:
             vc = by_id[cid]
-            tier_spec, _ = _fetch(federation, vc, config.fp16, down)
+            tier_spec, _ = _fetch(federation, vc, ledger, r)
             evaluations.append(evaluate_client(vc.state, tier_spec, vc.test))
-        record = _round_record(config, federation, outcome, test, evaluations, down, up)
+        record = _round_record(config, federation, outcome, test, evaluations, ledger)
         record["fedavg_equivalent_bytes"] = fedavg_bytes_per_client * len(plan.cohort)
         record["wall_seconds"] = round(time.perf_counter() - t0, 4)
-        for key in totals:
-            totals[key] += record[key]
-            record[f"cumulative_{key}"] = totals[key]
+        accumulate(record, totals)
         records.append(record)
         if progress is not None:
             progress(record)
@@ -208,14 +205,15 @@ def _round_record(
     outcome: RoundOutcome,
     test: ArrayDataset,
     evaluations: list[ClientEvaluation],
-    down: Mapping[str, int],
-    up: Mapping[str, int],
+    ledger: BandwidthLedger,
 ) -> dict[str, Any]:
     full_model = federation.spec.build()
     full_model.load_state_dict(federation.global_tensors)
     server_eval = evaluate(full_model, test, device="cpu")
     local_acc = [e.global_accuracy for e in evaluations]
     personal_acc = [e.personalized_accuracy for e in evaluations if e.personalized_accuracy is not None]
+    moved = ledger.per_tensor(outcome.round)
+    idle = dict.fromkeys(DIRECTIONS, 0)
     tensors = {
         t.name: {
             "role": t.role,
@@ -224,8 +222,8 @@ def _round_record(
             "version": federation.versions[t.name],
             "d_l": outcome.discrepancy.get(t.name),
             "dispersion": outcome.result.dispersion.get(t.name),
-            "bytes_down": down.get(t.name, 0),
-            "bytes_up": up.get(t.name, 0),
+            "bytes_down": moved.get(t.name, idle)["down"],
+            "bytes_up": moved.get(t.name, idle)["up"],
         }
         for t in federation.spec.tensors
     }
@@ -236,8 +234,8 @@ def _round_record(
         "test_accuracy": server_eval.accuracy,
         "test_loss": server_eval.loss,
         "local_accuracy": mean_or_none(local_acc),
-        "bytes_up": sum(up.values()),
-        "bytes_down": sum(down.values()),
+        "bytes_up": ledger.total(round_=outcome.round, direction="up"),
+        "bytes_down": ledger.total(round_=outcome.round, direction="down"),
         # BN statistics (and step counters) would swamp the weights' dispersion: they are reported per tensor only
         "dispersion": total_dispersion(
             {n: v for n, v in outcome.result.dispersion.items() if federation.spec.tensor(n).role != "buffer"}
@@ -252,61 +250,36 @@ def _round_record(
 
 
 def _fetch(
-    federation: Federation, vc: VirtualClient, fp16: bool, down: dict[str, int]
+    federation: Federation, vc: VirtualClient, ledger: BandwidthLedger, round_: int
 ) -> tuple[ModelSpec, dict[str, str]]:
     """FetchModel, in process: the tensors newer than the client holds go through the codec into its state."""
     tier_spec = federation.tier_spec(vc.state.tier)
     owner = tier_spec.owners
     fetched = federation.fetch(vc.state.tier, vc.state.versions)
-    received = _send({n: t for n, (t, _) in fetched.items()}, fp16, down, owner)
+    received = _send({n: t for n, (t, _) in fetched.items()}, ledger, round_, vc.client_id, "down", owner)
     vc.state.receive({n: (received[n], v) for n, (_, v) in fetched.items()})
     return tier_spec, owner
 
 
-def mean_or_none(values: list[float]) -> float | None:
-    """The clients' mean (each client counts once, as personalized-FL papers report it)."""
-    return math.fsum(values) / len(values) if values else None
-
-
 def _send(
-    tensors: Mapping[str, torch.Tensor], fp16: bool, ledger: dict[str, int], owner: Mapping[str, str]
+    tensors: Mapping[str, torch.Tensor],
+    ledger: BandwidthLedger,
+    round_: int,
+    client_id: str,
+    direction: str,
+    owner: Mapping[str, str],
 ) -> dict[str, torch.Tensor]:
     """The in-process transport: every tensor goes through the wire codec, and its encoded bytes are
     counted toward the full-rank tensor it belongs to (a factor pair counts toward what it rebuilds)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        encoded = encode(tensor, fp16=fp16, name=name)
+        encoded = encode(tensor, fp16=ledger.fp16, name=name)
         dtype = str(tensor.dtype).removeprefix("torch.")
         out[name] = torch.from_numpy(
             decode(name, encoded.dtype, encoded.shape, encoded.data, expected_shape=encoded.shape, expected_dtype=dtype)
         )
-        full = owner.get(name, name)
-        ledger[full] = ledger.get(full, 0) + encoded.nbytes
+        ledger.record(round_, client_id, direction, owner.get(name, name), encoded.nbytes)
     return out
-
-
-def summarize(records: list[dict[str, Any]], totals: Mapping[str, int], seconds: float) -> dict[str, Any]:
-    last = records[-1]
-    moved = totals["bytes_up"] + totals["bytes_down"]
-    summary: dict[str, Any] = {
-        "rounds": len(records),
-        "final_test_accuracy": last["test_accuracy"],
-        "best_test_accuracy": max(r["test_accuracy"] for r in records),
-        # non-IID global accuracy swings round to round; the last rounds' mean compares runs fairly
-        "mean_test_accuracy_last5": sum(r["test_accuracy"] for r in records[-5:]) / len(records[-5:]),
-        "final_local_accuracy": last["local_accuracy"],
-        "bytes_up": totals["bytes_up"],
-        "bytes_down": totals["bytes_down"],
-        "bytes_total": moved,
-        "fedavg_equivalent_bytes": totals["fedavg_equivalent_bytes"],
-        "bytes_ratio_vs_fedavg": moved / totals["fedavg_equivalent_bytes"]
-        if totals["fedavg_equivalent_bytes"]
-        else None,
-        "wall_seconds": round(seconds, 3),
-    }
-    if "personalized_accuracy" in last:
-        summary["final_personalized_accuracy"] = last["personalized_accuracy"]
-    return summary
 
 
 def write_results(results: Mapping[str, Any], path: str | Path) -> None:

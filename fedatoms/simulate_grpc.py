@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
 from client_agent.pool import register_all, run_grpc_pool
+from fedatoms.records import TOTALS, accumulate, mean_or_none, summarize
 
 __all__ = ["federation_config", "records_from_store", "run_grpc_simulation"]
 
@@ -47,8 +48,6 @@ def run_grpc_simulation(
     announce: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the federation through gRPC; returns ``{"config", "rounds", "summary"}`` like the in-process run."""
-    from fedatoms.simulate import population, summarize
-
     say = announce or (lambda text: print(text, file=sys.stderr))
     if config.download:
         from fedcore.data import load_dataset
@@ -83,7 +82,7 @@ def run_grpc_simulation(
             raise ValueError("with --server, give the federation's --enrollment-secret")
         target = server
     say(f"client state: {root}")
-    pop = population(config)
+    pop = config.population()
     seen: set[int] = set()
 
     reader = store.create_engine_for(database_url, sqlite_begin="DEFERRED")  # reads: never wait for the aggregator
@@ -124,7 +123,7 @@ def run_grpc_simulation(
     for r in records:
         if r["round"] not in seen and progress is not None:
             progress(r)
-    totals = {k: records[-1][f"cumulative_{k}"] for k in ("bytes_up", "bytes_down", "fedavg_equivalent_bytes")}
+    totals = {k: records[-1][f"cumulative_{k}"] for k in TOTALS}
     summary = summarize(records, totals, time.perf_counter() - started)
     out = config.to_dict()
     return {"config": out, "rounds": records, "summary": summary}
@@ -157,8 +156,6 @@ def records_from_store(url: str | Engine, federation_name: str = "default", afte
 
     Rounds up to ``after`` are read only for the cumulative byte counts.
     """
-    from fedatoms.simulate import mean_or_none
-
     own = not isinstance(url, Engine)
     engine = url if isinstance(url, Engine) else store.create_engine_for(url, sqlite_begin="DEFERRED")
     records: list[dict[str, Any]] = []
@@ -168,7 +165,7 @@ def records_from_store(url: str | Engine, federation_name: str = "default", afte
             if fed is None:
                 return []
             personal = bool(fed.config.get("personal_atoms"))
-            totals = {"bytes_up": 0, "bytes_down": 0, "fedavg_equivalent_bytes": 0}
+            totals = dict.fromkeys(TOTALS, 0)
             rows = s.execute(
                 select(store.Round, store.RoundMetrics)
                 .join(
@@ -212,9 +209,7 @@ def records_from_store(url: str | Engine, federation_name: str = "default", afte
                     record["personalized_accuracy"] = mean_or_none([p for _, p in evals if p is not None])
                 record["fedavg_equivalent_bytes"] = int(m.fedavg_equivalent_bytes or 0)
                 record["wall_seconds"] = round(float(m.duration_seconds or 0.0), 4)
-                for key in totals:
-                    totals[key] += record[key]
-                    record[f"cumulative_{key}"] = totals[key]
+                accumulate(record, totals)
                 records.append(record)
     finally:
         if own:

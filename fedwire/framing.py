@@ -24,8 +24,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from fedwire.v1 import aggregator_pb2 as pb
 from fedcore import codec
+from fedwire.v1 import aggregator_pb2 as pb
 
 __all__ = [
     "KIND_NAMES",

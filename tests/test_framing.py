@@ -7,9 +7,9 @@ import pytest
 from google.protobuf.internal.encoder import _VarintBytes
 from google.protobuf.message import DecodeError
 
+from fedcore import codec
 from fedwire import framing
 from fedwire.v1 import aggregator_pb2 as pb
-from fedcore import codec
 
 RNG = np.random.default_rng(0)
 TENSORS = {
@@ -123,9 +123,9 @@ def test_push_messages_carry_header_then_packed_tensors() -> None:
 
 def test_parse_push_message_leaves_everything_but_chunks_to_protobuf() -> None:
     chunk = _chunks()[0]
-    assert [_as_tuple(k, c) for k, c in framing.parse_push_message(pb.PushMessage(chunk=chunk).SerializeToString())] == (
-        _expected([chunk])
-    )
+    assert [
+        _as_tuple(k, c) for k, c in framing.parse_push_message(pb.PushMessage(chunk=chunk).SerializeToString())
+    ] == (_expected([chunk]))
     assert framing.parse_push_message(b"") == pb.PushMessage()
     # header and chunks in one message: the oneof keeps the last, as protobuf decides
     both = (

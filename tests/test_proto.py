@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 from google.protobuf.message import Message
 
-from fedwire import protogen
-from fedwire.v1 import aggregator_pb2 as pb
-from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
-from fedwire.framing import from_chunk, to_chunk
 from fedcore import codec
 from fedcore.spec import ModelSpec
 from fedcore.tiers import CapabilityProfile
 from fedcore.training import TrainConfig
+from fedwire import protogen
+from fedwire.framing import from_chunk, to_chunk
+from fedwire.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
 GRPC_DEFAULT_MAX_MESSAGE = 4 * 1024 * 1024
 

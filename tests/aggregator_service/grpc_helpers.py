@@ -21,16 +21,16 @@ from aggregator_service import store
 from aggregator_service.config import FederationConfig
 from aggregator_service.rounds import Federation, RoundPlan
 from aggregator_service.updates import ClientUpdate
-from fedcore.keys import client_key
 from client_agent.state import ClientState
 from client_agent.transport import task_from_proto
 from client_agent.update import ClientPush, run_task
+from fedcore import codec
+from fedcore.data import ArrayDataset, load_dataset
+from fedcore.keys import client_key
+from fedcore.spec import ModelSpec
 from fedwire import framing
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
-from fedcore import codec
-from fedcore.data import ArrayDataset, load_dataset
-from fedcore.spec import ModelSpec
 
 SECRET = "test-enrollment-secret"
 

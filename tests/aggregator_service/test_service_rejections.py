@@ -12,9 +12,9 @@ import pytest
 from grpc_helpers import Client, register, shards, snapshot
 
 from aggregator_service import store
+from fedcore import codec
 from fedwire import framing
 from fedwire.v1 import aggregator_pb2 as pb
-from fedcore import codec
 
 
 @pytest.fixture

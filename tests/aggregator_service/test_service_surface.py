@@ -33,9 +33,9 @@ from test_service_operations import _ca, _register, _signed, pki  # noqa: F401
 from aggregator_service import store
 from aggregator_service.server import MAX_MESSAGE_BYTES, SERVICE_NAME, DeadlineTicker
 from client_agent.transport import channel_options
+from fedcore import codec
 from fedwire import framing
 from fedwire.v1 import aggregator_pb2 as pb
-from fedcore import codec
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

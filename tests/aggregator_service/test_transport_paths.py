@@ -14,10 +14,10 @@ from aggregator_service.config import AggregatorSettings
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.errors import Unauthenticated
 from aggregator_service.server import AggregatorServicer, _add_servicer
-from fedwire import framing
-from fedwire.v1 import aggregator_pb2 as pb
 from fedcore import codec
 from fedcore.tiers import CapabilityProfile
+from fedwire import framing
+from fedwire.v1 import aggregator_pb2 as pb
 
 
 class _Recorder:

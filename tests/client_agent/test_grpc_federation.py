@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import load_file
 
 from aggregator_service import store
-from fedcore.keys import client_key
 from client_agent.state import ClientState
 from fedatoms import simulate
 from fedatoms.simulate import SimulationConfig, run_simulation
+from fedcore.keys import client_key
 
 CONFIG: dict[str, Any] = dict(
     dataset="digits",

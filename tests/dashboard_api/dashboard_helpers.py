@@ -37,9 +37,9 @@ from aggregator_service.server import DeadlineTicker, build_server
 from client_agent.update import evaluate_client
 from dashboard_api.app import create_app
 from dashboard_api.settings import DashboardSettings
+from fedcore.data import load_dataset
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
-from fedcore.data import load_dataset
 
 ADMIN_TOKEN = "admin-token-5f1c2e9b7a3d4c60"
 BACKENDS = ["sqlite", "postgresql"]

@@ -1,0 +1,5 @@
+import sys
+
+from fedatoms.cli import main
+
+sys.exit(main())

@@ -1,0 +1,95 @@
+"""`fedatoms aggregator`: serve a federation, and administer its clients and models while it runs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DB_HELP", "add_parser", "database_url"]
+
+DB_HELP = "database URL [FEDATOMS_DATABASE_URL, else sqlite:///fedatoms.db]"
+
+
+def _settings(args: argparse.Namespace) -> Any:
+    from aggregator_service.config import AggregatorSettings
+
+    overrides = {"listen": getattr(args, "listen", None), "database_url": args.database_url}
+    if getattr(args, "config", None) is not None:
+        return AggregatorSettings.from_toml(args.config, **overrides)
+    return AggregatorSettings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def database_url(args: argparse.Namespace) -> str:
+    """The database of ``--database-url``, else of ``--config``, else the environment's or the default."""
+    return str(_settings(args).database_url)
+
+
+def cmd_aggregator_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from aggregator_service.server import serve
+
+    try:
+        settings = _settings(args)
+    except ValidationError as exc:
+        raise ValueError(f"invalid aggregator settings: {exc}") from exc
+    return serve(settings)
+
+
+def cmd_aggregator_revoke(args: argparse.Namespace) -> int:
+    from aggregator_service.export import revoke
+
+    revoke(database_url(args), args.client)
+    print(f"client {args.client} revoked: its next call answers UNAUTHENTICATED")
+    return 0
+
+
+def cmd_aggregator_rebind(args: argparse.Namespace) -> int:
+    from aggregator_service.export import rebind_certificate
+
+    digest = rebind_certificate(database_url(args), args.client, args.client_cert)
+    print(f"client {args.client} bound to certificate sha256 {digest}: other certificates get PERMISSION_DENIED")
+    return 0
+
+
+def cmd_aggregator_export(args: argparse.Namespace) -> int:
+    from aggregator_service.export import export_global_model
+
+    settings = _settings(args)
+    path = export_global_model(settings.database_url, args.round, args.output, settings.federation_name)
+    print(f"global model after round {args.round} written to {path}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    agg = sub.add_parser("aggregator", help="run and administer the gRPC aggregator")
+    agg_sub = agg.add_subparsers(dest="aggregator_command", required=True)
+
+    serve = agg_sub.add_parser("serve", help="serve a federation over gRPC (defaults: 127.0.0.1:50051, a demo)")
+    serve.add_argument("--config", type=Path, help="TOML file: service keys, and the method under [federation]")
+    serve.add_argument("--listen", help="HOST:PORT to listen on [127.0.0.1:50051]")
+    serve.add_argument("--database-url", help=DB_HELP)
+    serve.set_defaults(func=cmd_aggregator_serve)
+
+    revoke = agg_sub.add_parser("revoke", help="revoke a client's token (works while the server runs)")
+    revoke.add_argument("client", help="client id, as shown in the server log and the dashboard")
+    revoke.add_argument("--config", type=Path, help="the server's TOML file (for its database_url)")
+    revoke.add_argument("--database-url", help=DB_HELP)
+    revoke.set_defaults(func=cmd_aggregator_revoke)
+
+    rebind = agg_sub.add_parser(
+        "rebind", help="mutual TLS: bind a client's token to its renewed certificate (works while the server runs)"
+    )
+    rebind.add_argument("client", help="client id, as shown in the server log and the dashboard")
+    rebind.add_argument("--client-cert", type=Path, required=True, help="the client's new certificate (PEM)")
+    rebind.add_argument("--config", type=Path, help="the server's TOML file (for its database_url)")
+    rebind.add_argument("--database-url", help=DB_HELP)
+    rebind.set_defaults(func=cmd_aggregator_rebind)
+
+    export = agg_sub.add_parser("export", help="write the global model of the last closed round as safetensors")
+    export.add_argument("--round", type=int, required=True, help="the last closed round (the model it produced)")
+    export.add_argument("output", help="OUT.safetensors")
+    export.add_argument("--config", type=Path, help="the server's TOML file (database_url, federation_name)")
+    export.add_argument("--database-url", help=DB_HELP)
+    export.set_defaults(func=cmd_aggregator_export)

@@ -1,0 +1,119 @@
+"""`fedatoms client run`: one client agent on an edge device, until its federation is done."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser"]
+
+
+def cmd_client_run(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import threading
+
+    from client_agent.agent import EXIT_CODES, Agent
+    from client_agent.pool import Population
+    from client_agent.profile import declared_profile, measured_profile
+    from client_agent.transport import AggregatorClient, Backoff
+    from fedwire.allocator import reuse_message_buffers
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+    )
+    reuse_message_buffers()
+    if not 0 <= args.partition_index < args.num_partitions:
+        raise ValueError(f"--partition-index must be in [0, {args.num_partitions}), got {args.partition_index}")
+    pop = Population(
+        args.dataset,
+        args.data_dir,
+        args.num_partitions,
+        (1.0,),
+        args.partition,
+        args.classes_per_client,
+        args.dirichlet_alpha,
+        args.seed,
+    )
+    vc = pop.build()[args.partition_index]
+    if args.profile is not None:
+        profile = declared_profile(args.profile, len(vc.train))
+    elif args.measure:
+        profile = measured_profile(len(vc.train), budget_ms=args.budget_ms)
+    else:
+        from fedcore.tiers import CapabilityProfile
+
+        profile = CapabilityProfile(num_samples=len(vc.train))
+    client = AggregatorClient(
+        args.server,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        backoff=Backoff(max_elapsed=args.give_up_after),
+    )
+    agent = Agent(
+        client,
+        args.state_dir,
+        vc.train,
+        vc.test,
+        profile=profile,
+        enrollment_secret=args.enrollment_secret or "",
+        name=args.name,
+        progress=not args.no_progress,
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    code = agent.run(stop)
+    client.close()
+    if code == EXIT_CODES["unauthenticated"]:
+        print(
+            "fedatoms client: the aggregator refused this client (wrong enrollment secret, or the token was revoked)",
+            file=sys.stderr,
+        )
+    return code
+
+
+def add_parser(sub: Any) -> None:
+    import os
+
+    client = sub.add_parser("client", help="run a client agent on an edge device")
+    client_sub = client.add_subparsers(dest="client_command", required=True)
+    run = client_sub.add_parser(
+        "run",
+        help="register (once), then train for the federation until it is done",
+        description="Exit codes: 0 done, 2 bad arguments, 3 refused by the aggregator (secret/token), "
+        "4 aggregator unreachable for --give-up-after seconds, 5 local training diverged, 130 interrupted.",
+    )
+    run.add_argument("--server", required=True, help="aggregator HOST:PORT")
+    run.add_argument(
+        "--enrollment-secret",
+        default=os.environ.get("FEDATOMS_ENROLLMENT_SECRET"),
+        help="the federation's enrollment secret (first run only) [FEDATOMS_ENROLLMENT_SECRET]",
+    )
+    run.add_argument("--dataset", default="digits", help="digits (bundled), mnist, fashion-mnist, cifar10, cifar100")
+    run.add_argument("--data-dir", help="where torchvision datasets live")
+    run.add_argument("--partition-index", type=int, required=True, help="which shard of the dataset is this device's")
+    run.add_argument("--num-partitions", type=int, default=10, help="how many shards the dataset is cut into [10]")
+    run.add_argument("--partition", default="shards", choices=["iid", "shards", "dirichlet"])
+    run.add_argument("--classes-per-client", type=int, default=2)
+    run.add_argument("--dirichlet-alpha", type=float, default=0.5)
+    run.add_argument("--seed", type=int, default=0, help="partition seed (the same on every device)")
+    run.add_argument("--state-dir", required=True, help="token, tensors and progress; reuse it to resume")
+    run.add_argument("--name", help="a label for the dashboard [the server makes one]")
+    g = run.add_mutually_exclusive_group()
+    g.add_argument("--profile", type=Path, help="declared capability profile (TOML with CapabilityProfile keys)")
+    g.add_argument("--measure", action="store_true", help="measure compute and memory before registering")
+    run.add_argument("--budget-ms", type=float, default=20.0, help="with --measure: training time per sample allowed")
+    run.add_argument("--tls-ca", type=Path, help="CA bundle that signed the aggregator's certificate (enables TLS)")
+    run.add_argument("--tls-cert", type=Path, help="client certificate, for mutual TLS")
+    run.add_argument("--tls-key", type=Path, help="client key, for mutual TLS")
+    run.add_argument(
+        "--give-up-after", type=float, default=None, help="exit 4 after this many seconds unreachable [never]"
+    )
+    run.add_argument("--no-progress", action="store_true", help="no progress bar per local epoch")
+    run.add_argument("-v", "--verbose", action="store_true")
+    run.set_defaults(func=cmd_client_run)

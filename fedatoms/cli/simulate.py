@@ -1,0 +1,181 @@
+"""`fedatoms simulate` and `fedatoms plot`, and the simulation flags and reports `fedatoms demo` shares."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser", "print_summary", "progress_printer"]
+
+
+def _tiers(text: str) -> list[float]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if "/" in part:
+            num, den = part.split("/", 1)
+            out.append(float(num) / float(den))
+        elif part:
+            out.append(float(part))
+    if not out:
+        raise argparse.ArgumentTypeError("give at least one tier, e.g. 1,0.5,0.25,0.125")
+    return out
+
+
+def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per :class:`SimulationConfig` key; a flag left out takes the TOML's value, then the default."""
+    from fedatoms.simulate import SimulationConfig
+
+    defaults = SimulationConfig()
+    g = p.add_argument_group("federation (each flag may also be a key of --config TOML)")
+    g.add_argument("--config", type=Path, help="TOML file with the same keys as the flags (flags win)")
+    g.add_argument(
+        "--transport",
+        choices=["inprocess", "grpc"],
+        help="inprocess: direct calls; grpc: a real aggregator and real client agents in worker processes",
+    )
+    g.add_argument("--dataset", help=f"digits (bundled), mnist, fashion-mnist, cifar10, cifar100 [{defaults.dataset}]")
+    g.add_argument("--data-dir", help="where torchvision datasets live")
+    g.add_argument("--download", action="store_true", default=None, help="let torchvision download missing data")
+    g.add_argument("--model", help="digits-cnn, mnist-cnn, lenet-cifar10, lenet-cifar100, resnet18 [by dataset]")
+    g.add_argument("--factorization", choices=["none", "atoms", "lowrank", "atoms-lowrank"])
+    g.add_argument("--num-atoms", type=int)
+    g.add_argument("--clients", type=int, help=f"number of clients [{defaults.clients}]")
+    g.add_argument("--fraction", type=float, help=f"fraction sampled per cohort [{defaults.fraction}]")
+    g.add_argument("--min-clients", type=int)
+    g.add_argument("--cohort", choices=["period", "per_round"], help="keep a cohort for a sync period, or resample")
+    g.add_argument("--partition", choices=["iid", "shards", "dirichlet"])
+    g.add_argument("--classes-per-client", type=int)
+    g.add_argument("--dirichlet-alpha", type=float)
+    g.add_argument("--rounds", type=int)
+    g.add_argument("--local-epochs", type=int)
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--momentum", type=float)
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--strategy", choices=["fedavg", "fedprox", "scaffold"])
+    g.add_argument("--mu", type=float, help="FedProx proximal weight")
+    g.add_argument("--global-lr", type=float, help="SCAFFOLD server step size η_g")
+    g.add_argument("--weighting", choices=["samples", "tier-softmax"])
+    g.add_argument("--temperature", type=float, help="FedHM softmax temperature τ (inf = plain FedAvg weights)")
+    g.add_argument("--keep-local-buffers", action="store_true", default=None, help="never average BN statistics")
+    g.add_argument("--frobenius-decay", type=float, help="FedHM Frobenius decay λ on low-rank factors")
+    g.add_argument("--interval-policy", choices=["every_round", "fixed", "fedlama"])
+    g.add_argument("--beta", type=float, help="fixed policy: coefficients every 1/β rounds")
+    g.add_argument("--tau", type=int, help="FedLAMA base interval τ' in rounds")
+    g.add_argument("--phi", type=int, help="FedLAMA interval factor φ")
+    g.add_argument("--warmup-rounds", type=int, help="FedLAMA: no interval adjustment at or before this round")
+    g.add_argument("--tiers", type=_tiers, help="capability tiers assigned round-robin, e.g. 1,0.5,0.25,0.125")
+    g.add_argument("--personal-atoms", action="store_true", default=None, help="keep personal atoms per client")
+    g.add_argument("--personal-epochs", type=int)
+    g.add_argument("--fp16", action="store_true", default=None, help="send tensors as float16")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--device", help="auto, cpu or cuda")
+    g.add_argument("--threads", type=int, help="torch threads per training and for aggregation (default 1)")
+    g.add_argument("--output", help="write the results JSON here")
+
+
+def _config_from_args(args: argparse.Namespace) -> Any:
+    from fedatoms.simulate import SimulationConfig
+
+    keys = {f.name for f in fields(SimulationConfig)}
+    overrides = {k: v for k, v in vars(args).items() if k in keys and v is not None}
+    if args.config is not None:
+        return SimulationConfig.from_toml(args.config, overrides)
+    return SimulationConfig(**overrides)
+
+
+def progress_printer(total: int, label: str = "round") -> Any:
+    """A progress bar on stderr, so stdout keeps only the results."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=label, unit="round", file=sys.stderr, dynamic_ncols=True)
+
+    def report(record: dict[str, Any]) -> None:
+        post = {
+            "acc": f"{record['test_accuracy']:.3f}",
+            "MB": f"{record['cumulative_bytes_up'] / 1e6 + record['cumulative_bytes_down'] / 1e6:.2f}",
+        }
+        if record.get("personalized_accuracy") is not None:
+            post["pers"] = f"{record['personalized_accuracy']:.3f}"
+        bar.set_postfix(post)
+        bar.update(1)
+        if bar.n >= total:
+            bar.close()
+
+    return report
+
+
+def print_summary(results: dict[str, Any]) -> None:
+    s = results["summary"]
+    c = results["config"]
+    print(f"\n{c['model']} / {c['factorization']} / {c['interval_policy']} on {c['dataset']}: {s['rounds']} rounds")
+    print(f"  global test accuracy   {s['final_test_accuracy']:.4f} (best {s['best_test_accuracy']:.4f})")
+    if s.get("final_local_accuracy") is not None:
+        print(f"  global model on clients' local tests {s['final_local_accuracy']:.4f}")
+    if "final_personalized_accuracy" in s and s["final_personalized_accuracy"] is not None:
+        print(f"  personalized accuracy  {s['final_personalized_accuracy']:.4f}")
+    ratio = s["bytes_ratio_vs_fedavg"]
+    print(
+        f"  bytes moved            {s['bytes_total'] / 1e6:.2f} MB vs FedAvg-equivalent "
+        f"{s['fedavg_equivalent_bytes'] / 1e6:.2f} MB ({ratio:.3f}×)"
+    )
+    print(f"  wall time              {s['wall_seconds']:.1f} s")
+
+
+def _grpc_options(args: argparse.Namespace) -> dict[str, Any]:
+    given = {
+        "server": args.server,
+        "database_url": args.database_url,
+        "enrollment_secret": args.enrollment_secret,
+        "workers": args.workers,
+        "state_dir": args.state_dir,
+        "tls_ca": args.tls_ca,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from fedatoms.simulate import run_simulation, write_results
+
+    config = _config_from_args(args)
+    results = run_simulation(config, progress=progress_printer(config.rounds), **_grpc_options(args))
+    if config.output:
+        write_results(results, config.output)
+        print(f"results written to {config.output}")
+    else:
+        if not args.quiet_json:
+            json.dump(results["summary"], sys.stdout, indent=1)
+            print()
+    print_summary(results)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from fedatoms.plots import plot_runs
+
+    print(f"plot written to {plot_runs(args.results, args.output)}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    sim = sub.add_parser("simulate", help="run a whole federation on this machine and record every round")
+    _add_simulation_flags(sim)
+    sim.add_argument("--quiet-json", action="store_true", help="do not print the summary JSON")
+    g = sim.add_argument_group("--transport grpc")
+    g.add_argument("--server", help="HOST:PORT of a running aggregator (default: start one on a loopback port)")
+    g.add_argument("--database-url", help="the aggregator's database [a new SQLite file, printed at start]")
+    g.add_argument("--enrollment-secret", help="with --server: that federation's secret")
+    g.add_argument("--workers", type=int, help="worker processes running the virtual clients [2]")
+    g.add_argument("--state-dir", help="where each virtual client keeps its state [a new temporary directory]")
+    g.add_argument("--tls-ca", help="with --server: CA bundle to verify the aggregator's certificate")
+    sim.set_defaults(func=cmd_simulate)
+
+    plot = sub.add_parser("plot", help="plot accuracy, bytes, dispersion and intervals of simulation results")
+    plot.add_argument("results", nargs="+", help="results JSON files from `fedatoms simulate --output`")
+    plot.add_argument("-o", "--output", default="fedatoms-runs.png", help="PNG to write")
+    plot.set_defaults(func=cmd_plot)

@@ -1,0 +1,54 @@
+"""The per-round record's shared fields and the run's summary, written alike by both transports.
+
+The in-process simulator builds its records as it runs and the gRPC simulator reads them back
+from the aggregator's database; both go through these helpers so that the same seed gives the
+same record whichever transport ran it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+__all__ = ["TOTALS", "accumulate", "mean_or_none", "summarize"]
+
+#: The per-round counts that a record also carries as ``cumulative_<key>`` over the run.
+TOTALS = ("bytes_up", "bytes_down", "fedavg_equivalent_bytes")
+
+
+def mean_or_none(values: list[float]) -> float | None:
+    """The clients' mean (each client counts once, as personalized-FL papers report it)."""
+    return math.fsum(values) / len(values) if values else None
+
+
+def accumulate(record: dict[str, Any], totals: MutableMapping[str, int]) -> None:
+    """Add ``record``'s counts to the running ``totals`` and write them into it as ``cumulative_<key>``."""
+    for key in TOTALS:
+        totals[key] += record[key]
+        record[f"cumulative_{key}"] = totals[key]
+
+
+def summarize(records: list[dict[str, Any]], totals: Mapping[str, int], seconds: float) -> dict[str, Any]:
+    """The run in one object: the last and best accuracies, and the bytes moved against FedAvg's."""
+    last = records[-1]
+    moved = totals["bytes_up"] + totals["bytes_down"]
+    summary: dict[str, Any] = {
+        "rounds": len(records),
+        "final_test_accuracy": last["test_accuracy"],
+        "best_test_accuracy": max(r["test_accuracy"] for r in records),
+        # non-IID global accuracy swings round to round; the last rounds' mean compares runs fairly
+        "mean_test_accuracy_last5": sum(r["test_accuracy"] for r in records[-5:]) / len(records[-5:]),
+        "final_local_accuracy": last["local_accuracy"],
+        "bytes_up": totals["bytes_up"],
+        "bytes_down": totals["bytes_down"],
+        "bytes_total": moved,
+        "fedavg_equivalent_bytes": totals["fedavg_equivalent_bytes"],
+        "bytes_ratio_vs_fedavg": moved / totals["fedavg_equivalent_bytes"]
+        if totals["fedavg_equivalent_bytes"]
+        else None,
+        "wall_seconds": round(seconds, 3),
+    }
+    if "personalized_accuracy" in last:
+        summary["final_personalized_accuracy"] = last["personalized_accuracy"]
+    return summary
