@@ -13,7 +13,6 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 from aggregator_service.intervals import IntervalPolicy, discrepancy
