@@ -67,6 +67,7 @@ class FederationConfig:
     warmup_rounds: int = 0
     personal_atoms: bool = False
     personal_epochs: int | None = FEDERATION_TRAINING.personal_epochs
+    atom_lr: str = FEDERATION_TRAINING.atom_lr
     fp16: bool = False
     seed: int = 0
 

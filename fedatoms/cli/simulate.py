@@ -72,6 +72,11 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tiers", type=_tiers, help="capability tiers assigned round-robin, e.g. 1,0.5,0.25,0.125")
     g.add_argument("--personal-atoms", action="store_true", default=None, help="keep personal atoms per client")
     g.add_argument("--personal-epochs", type=int)
+    g.add_argument(
+        "--atom-lr",
+        choices=["scaled", "shared"],
+        help="step sizes of atoms and coefficients: scaled so α×D moves like a plain conv, or the papers' shared rate",
+    )
     g.add_argument("--fp16", action="store_true", default=None, help="send tensors as float16")
     g.add_argument("--seed", type=int)
     g.add_argument("--device", help="auto, cpu or cuda")

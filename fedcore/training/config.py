@@ -45,6 +45,8 @@ class TrainConfig:
     prox_mu: float = 0.0
     frobenius_decay: float = 0.0
     personal_epochs: int | None = None
+    #: step sizes of filter atoms and coefficients: "scaled" (fedcore.training.atom_steps) or "shared"
+    atom_lr: str = "scaled"
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -57,6 +59,8 @@ class TrainConfig:
         _check_float("frobenius_decay", self.frobenius_decay)
         if self.personal_epochs is not None:
             check_int("personal_epochs", self.personal_epochs, 1)
+        if self.atom_lr not in ("scaled", "shared"):
+            raise ValueError(f"atom_lr must be 'scaled' or 'shared', got {self.atom_lr!r}")
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"device must be a non-empty string, got {self.device!r}")
 

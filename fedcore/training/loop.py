@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedcore.training.atom_steps import AtomSteps
 from fedcore.training.config import TrainConfig
 
 __all__ = ["Batches", "Dataset", "EpochStats", "resolve_device", "seeded", "sgd"]
@@ -112,8 +113,9 @@ def sgd(
     ``penalty`` adds a regularizer to the loss; ``correction`` is added to each gradient after
     backward (SCAFFOLD's ``c − c_i``). Returns the last epoch's mean loss and accuracy.
     """
+    steps_of = AtomSteps(model, params, config.lr, config.atom_lr)
     optimizer = torch.optim.SGD(
-        list(params.values()), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        steps_of.param_groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
     generator = torch.Generator().manual_seed(seed)
     steps = 0
@@ -137,6 +139,7 @@ def sgd(
                         p.grad = correction[name].clone()
                     else:
                         p.grad.add_(correction[name])
+            steps_of.rescale(optimizer)
             optimizer.step()
             steps += 1
             if last:
