@@ -10,7 +10,6 @@ server on an ephemeral loopback port.
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import threading
@@ -21,14 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import pytest
 import uvicorn
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "aggregator_service"))
 from grpc_helpers import SECRET, Client, register, shards, small_federation
-from support import PG_ENV, postgres_schema
+from support import postgres_base, postgres_schema
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings
@@ -37,9 +35,9 @@ from aggregator_service.server import DeadlineTicker, build_server
 from client_agent.update import evaluate_client
 from dashboard_api.app import create_app
 from dashboard_api.settings import DashboardSettings
+from fedcore.data import load_dataset
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
-from fedcore.data import load_dataset
 
 ADMIN_TOKEN = "admin-token-5f1c2e9b7a3d4c60"
 BACKENDS = ["sqlite", "postgresql"]
@@ -51,10 +49,7 @@ def database(backend: str, tmp: Path) -> Iterator[str]:
     if backend == "sqlite":
         yield f"sqlite:///{tmp / 'fedatoms.db'}"
         return
-    base = os.environ.get(PG_ENV)
-    if not base:
-        pytest.skip(f"{PG_ENV} not set: PostgreSQL dashboard tests skipped")
-    with postgres_schema(base) as url:
+    with postgres_schema(postgres_base()) as url:
         yield url
 
 
