@@ -1,18 +1,33 @@
-"""Helpers every integration test shares: free loopback ports, waiting for a server, scratch PostgreSQL schemas."""
+"""Helpers every integration test shares: free loopback ports, waiting for a server, PostgreSQL and Chromium.
+
+PostgreSQL tests run against ``FEDATOMS_TEST_POSTGRES_URL``, or :data:`PG_DEFAULT` when it is
+unset, whenever a server answers there (probed once per process, 2 s connect timeout); set the
+variable to an empty string to turn them off. The browser test runs whenever Chromium is installed.
+Each skip says why in one line (``-ra`` prints it).
+"""
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
 import socket
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import grpc
+import pytest
+import sqlalchemy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
 
 from aggregator_service import store
 
 PG_ENV = "FEDATOMS_TEST_POSTGRES_URL"
+PG_DEFAULT = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+CHROMIUM_DEFAULT = "/usr/bin/chromium"
 
 
 def free_port() -> int:
@@ -51,3 +66,37 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
 def postgres_schema(base: str) -> AbstractContextManager[str]:
     """A URL whose connections live in a fresh ``t_<uuid>`` schema, dropped afterwards."""
     return store.scratch_schema(base)
+
+
+@functools.cache
+def postgres_probe() -> tuple[str, str]:
+    """``(url, "")`` when a PostgreSQL server answers on the test URL, else ``("", one-line reason)``."""
+    url = os.environ.get(PG_ENV, PG_DEFAULT)
+    if not url:
+        return "", f"{PG_ENV} is empty: PostgreSQL tests turned off"
+    try:
+        shown = make_url(url).render_as_string(hide_password=True)
+        engine = sqlalchemy.create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 2})
+    except Exception as exc:  # a malformed URL or a missing driver
+        return "", f"{PG_ENV} unusable ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+    except Exception as exc:
+        return "", f"no PostgreSQL answers at {shown} ({type(exc).__name__}); set {PG_ENV} to another URL"
+    finally:
+        engine.dispose()
+    return url, ""
+
+
+def postgres_base() -> str:
+    """The PostgreSQL URL the tests may create schemas in; skips the calling test when none answers."""
+    url, reason = postgres_probe()
+    if not url:
+        pytest.skip(reason)
+    return url
+
+
+def chromium() -> str | None:
+    """Debian's Chromium, else a ``chromium`` on PATH; ``None`` when neither exists."""
+    return CHROMIUM_DEFAULT if os.path.exists(CHROMIUM_DEFAULT) else shutil.which("chromium")

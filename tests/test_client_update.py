@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from client_agent.state import ClientState
 from client_agent.update import TrainTask, evaluate_client, run_task
@@ -11,6 +13,7 @@ from fedcore.spec import ModelSpec
 from fedcore.training import TrainConfig
 
 SPEC = ModelSpec("digits-cnn", 10, "atoms", 9)
+ATOMS = ("conv1.atoms", "conv2.atoms")
 
 
 def fresh_state() -> ClientState:
@@ -47,12 +50,36 @@ def test_personal_atoms_start_from_global_and_persist():
     state = fresh_state()
     run_task(state, SPEC, task(1, tuple(SPEC.names), False), data, personal_atoms=True)
     assert state.personal_atoms is not None
-    assert set(state.personal_atoms) == {"conv1.atoms", "conv2.atoms"}
+    assert set(state.personal_atoms) == set(ATOMS)
     assert not torch.equal(state.personal_atoms["conv2.atoms"], state.global_tensors["conv2.atoms"])
-    evaluation = evaluate_client(state, SPEC, test.subset(range(50)))
-    assert evaluation.personalized_accuracy is not None and 0 <= evaluation.personalized_accuracy <= 1
-    assert evaluation.num_samples == 50
+    assert evaluate_client(state, SPEC, test.subset(range(50))).num_samples == 50
     assert state.rounds_joined == 1
+
+
+def test_evaluation_counts_the_correct_predictions_of_the_global_and_the_personalized_model():
+    _, test = load_dataset("digits")
+    held_out = test.subset(range(100))
+    state = fresh_state()
+    gen = torch.Generator().manual_seed(5)  # atoms whose model gets 6 of 100 right, the global one 18
+    state.personal_atoms = {n: torch.randn(state.global_tensors[n].shape, generator=gen) for n in ATOMS}
+    evaluation = evaluate_client(state, SPEC, held_out)
+
+    # the oracle: each model's logits on the same 100 samples, eval mode, argmax against the labels
+    def logits(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        model = SPEC.build()
+        model.load_state_dict(tensors)
+        model.eval()
+        with torch.no_grad():
+            return model(held_out.x)
+
+    global_logits = logits(state.global_tensors)
+    global_correct = int((global_logits.argmax(dim=1) == held_out.y).sum())
+    personal_correct = int((logits({**state.global_tensors, **state.personal_atoms}).argmax(dim=1) == held_out.y).sum())
+    assert personal_correct != global_correct  # else swapping the two models would go unnoticed
+    assert evaluation.global_accuracy == global_correct / 100
+    assert evaluation.personalized_accuracy == personal_correct / 100
+    assert evaluation.global_loss == pytest.approx(float(F.cross_entropy(global_logits, held_out.y)), rel=1e-5)
+    assert evaluation.num_samples == 100
 
 
 def test_local_tensors_survive_every_round_and_are_never_pushed():

@@ -12,6 +12,8 @@ import torch
 
 from fedatoms.simulate import SimulationConfig, build_federation, run_simulation
 
+# m reporting clients → m² − m latent clients (filter-decomposition §2.4), written out: m = 4 gives 12
+LATENT_CLIENTS = {0: 0, 1: 0, 2: 2, 3: 6, 4: 12, 5: 20, 6: 30}
 SMALL = dict(dataset="digits", clients=6, fraction=0.5, rounds=4, local_epochs=1, batch_size=16, seed=3)
 
 
@@ -103,6 +105,7 @@ def test_round_records_have_the_documented_fields_and_bytes_add_up():
     )
     assert set(results) == {"config", "rounds", "summary"}
     cumulative = 0
+    latent_seen = []
     for record in results["rounds"]:
         for key in (
             "round",
@@ -123,11 +126,14 @@ def test_round_records_have_the_documented_fields_and_bytes_add_up():
         assert per_tensor_up == record["bytes_up"]
         assert per_tensor_down == record["bytes_down"]
         cumulative += record["bytes_up"] + record["bytes_down"]
-        m = record["reported"]  # latent clients only where atoms and coefficients were both averaged
-        assert record["latent_clients"] == (m * m - m if record["effective_dispersion"] else 0)
+        # latent clients m² − m (filter-decomposition §2.4), only where atoms and coefficients were both averaged
+        latent = LATENT_CLIENTS[record["reported"]] if record["effective_dispersion"] else 0
+        assert record["latent_clients"] == latent
+        latent_seen.append(record["latent_clients"])
         due = {n for n, t in record["tensors"].items() if t["due"]}
         assert all(t["version"] == record["round"] for n, t in record["tensors"].items() if n in due)
     assert results["summary"]["bytes_total"] == cumulative
+    assert 6 in latent_seen  # 3 of 6 clients report (fraction ½): 3² − 3 = 6 latent clients
     # the whole model syncs at every multiple of φτ' = 2
     assert all(t["due"] for t in results["rounds"][1]["tensors"].values())
     json.dumps(results)  # serializable

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_helpers import SECRET, small_federation
-from support import PG_ENV, postgres_schema
+from support import postgres_base, postgres_schema
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
@@ -40,10 +39,7 @@ def sqlite_url(tmp_path) -> str:
 
 @pytest.fixture
 def postgres_url() -> Iterator[str]:
-    base = os.environ.get(PG_ENV)
-    if not base:
-        pytest.skip(f"{PG_ENV} not set: PostgreSQL service tests skipped")
-    with postgres_schema(base) as url:
+    with postgres_schema(postgres_base()) as url:
         yield url
 
 

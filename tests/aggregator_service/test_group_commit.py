@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, event, insert, select
 from sqlalchemy.orm import Session, sessionmaker
+from support import wait_until
 
 from aggregator_service.group_commit import GroupCommit
 
@@ -49,14 +49,18 @@ def _hold_leader(group: GroupCommit, release: threading.Event) -> threading.Thre
 
     leader = threading.Thread(target=group.run, args=(slow,))
     leader.start()
-    while not group._busy:
-        time.sleep(0.001)
+    assert wait_until(lambda: group._busy), "the first write never started"
     return leader
 
 
 def _queued(group: GroupCommit, n: int) -> None:
-    while len(group._queue) < n:
-        time.sleep(0.001)
+    assert wait_until(lambda: len(group._queue) >= n), f"{len(group._queue)} of {n} writes queued"
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.join(timeout=30)
+        assert not t.is_alive(), f"{t.name} still running"
 
 
 def test_concurrent_writes_share_commits_and_each_gets_its_result(factory) -> None:
@@ -73,8 +77,7 @@ def test_concurrent_writes_share_commits_and_each_gets_its_result(factory) -> No
         t.start()
     _queued(group, 20)
     release.set()
-    for t in [leader, *threads]:
-        t.join()
+    _join([leader, *threads])
     assert _names(factory) == sorted([*(f"n{i}" for i in range(20)), "slow"])
     with factory() as s:
         assert results == {name: pk for name, pk in s.execute(select(rows.c.name, rows.c.id)) if name != "slow"}
@@ -103,8 +106,7 @@ def test_a_failing_write_fails_alone_and_the_batch_still_commits(factory) -> Non
         t.start()
     _queued(group, 3)
     release.set()
-    for t in [leader, *followers]:
-        t.join()
+    _join([leader, *followers])
     assert isinstance(outcome["a"], int) and isinstance(outcome["b"], int)
     assert "UNIQUE" in str(outcome["dup"])  # the duplicate's own error
     assert _names(factory) == ["a", "b", "slow", "taken"]

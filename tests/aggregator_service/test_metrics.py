@@ -1,14 +1,12 @@
-"""Tests for aggregator_service.metrics: latent clients, variance of the product of averages, bandwidth.
+"""Tests for aggregator_service.metrics: latent clients, effective-filter dispersion, bandwidth.
 
-The variance tests follow specs/filter-decomposition.md §2.5: the expansion identity, the
-idealized Prop 5.1 (i.i.d. terms: ``S²σ²`` vs ``Sσ²``), the realistic bilinear closed forms
-``S·L + S²·P`` (product of averages) vs ``S·L + S·P`` (average of products) from the
-implementer's caveat, checked by vectorized Monte Carlo, and monotone decrease with ``m``.
+The dispersion oracles are small cases worked out by hand in the comments (two clients, one
+1×1 atom), plus references computed another way (a batch sum over reconstructed filters) for
+larger random cases; the expansion identity of specs/filter-decomposition.md §2.5 is checked on
+fedcore's ``reconstruct_filter``.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -39,7 +37,8 @@ SIGMA_A, SIGMA_D = 0.3, 0.2
 
 
 def test_latent_clients_and_total_dispersion() -> None:
-    assert [latent_clients(m) for m in (0, 1, 2, 4, 5)] == [0, 0, 2, 12, 20]
+    # §2.4: m clients give m² − m ordered (α_k1, D_k2) pairs, k1 ≠ k2: 2 clients → (1,2), (2,1)
+    assert [latent_clients(m) for m in (0, 1, 2, 3, 4, 5)] == [0, 0, 2, 6, 12, 20]
     with pytest.raises(ValueError):
         latent_clients(-1)
     assert total_dispersion({"a": 0.5, "b": 1.25}) == 1.75
@@ -52,38 +51,6 @@ def test_latent_clients_and_total_dispersion() -> None:
 def weights(n_k: list[int]) -> Tensor:
     n = torch.tensor(n_k, dtype=torch.float64)
     return n / n.sum()
-
-
-def closed_forms(p: Tensor, alpha_bar: Tensor, atoms_bar: Tensor) -> tuple[float, float, float, float]:
-    """(S, L, P) of the caveat and the two variances: product of averages, average of products."""
-    s = float((p**2).sum())
-    big_l = SIGMA_A**2 * C_OUT * C_IN * float((atoms_bar**2).sum()) + SIGMA_D**2 * K**2 * float((alpha_bar**2).sum())
-    big_p = M_A * SIGMA_A**2 * SIGMA_D**2 * C_OUT * C_IN * K**2
-    return s, big_l, big_p, s * big_l + s * s * big_p
-
-
-def draw_clients(
-    gen: torch.Generator, draws: int, m: int, alpha_bar: Tensor, atoms_bar: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """α_k = ᾱ + a_k, D_k = D̄ + d_k for ``draws`` independent federations of ``m`` clients."""
-    a = SIGMA_A * torch.randn(draws, m, C_OUT, C_IN, M_A, generator=gen, dtype=torch.float64)
-    d = SIGMA_D * torch.randn(draws, m, M_A, K, K, generator=gen, dtype=torch.float64)
-    return alpha_bar + a, atoms_bar + d, a, d
-
-
-def trace_var(x: Tensor) -> float:
-    """E‖X − EX‖² estimated over the leading (draw) dimension."""
-    flat = x.reshape(x.shape[0], -1)
-    return float(((flat - flat.mean(0)) ** 2).sum(1).mean() * x.shape[0] / (x.shape[0] - 1))
-
-
-def products(p: Tensor, alpha: Tensor, atoms: Tensor) -> tuple[Tensor, Tensor]:
-    """Per draw: average of products Σp α_k×D_k and product of averages (Σp α_k)×(Σp D_k)."""
-    avg_of_products = torch.einsum("k,nkoiq,nkqxy->noixy", p, alpha, atoms)
-    prod_of_avgs = torch.einsum(
-        "noiq,nqxy->noixy", torch.einsum("k,nk...->n...", p, alpha), torch.einsum("k,nk...->n...", p, atoms)
-    )
-    return avg_of_products, prod_of_avgs
 
 
 def test_expansion_identity() -> None:
@@ -102,66 +69,55 @@ def test_expansion_identity() -> None:
     assert float((lhs - clients - latent).abs().max()) < 1e-12
 
 
-def test_idealized_prop_5_1() -> None:
-    """m + m(m−1) i.i.d. terms with trace variance σ²: Var(θ′) ≈ S²σ² ≤ Var(θ) ≈ Sσ²."""
-    gen = torch.Generator().manual_seed(1)
-    p = weights(N_K)
-    m, dim, draws, sigma2 = len(N_K), 40, 4000, 2.0
-    terms = 3.0 + math.sqrt(sigma2 / dim) * torch.randn(draws, m, m, dim, generator=gen, dtype=torch.float64)
-    theta_prime = torch.einsum("a,b,nabd->nd", p, p, terms)  # clients on the diagonal, latent clients off it
-    theta = torch.einsum("k,nkd->nd", p, terms.diagonal(dim1=1, dim2=2).transpose(1, 2))
-    s = float((p**2).sum())
-    assert trace_var(theta_prime) == pytest.approx(s * s * sigma2, rel=0.03)
-    assert trace_var(theta) == pytest.approx(s * sigma2, rel=0.03)
-    assert trace_var(theta_prime) < trace_var(theta)
-    # equal weights: σ²/m² vs σ²/m
-    eq = weights([1] * m)
-    assert float((eq**2).sum()) == pytest.approx(1 / m)
+def test_effective_filters_by_hand() -> None:
+    """One output, one input channel, two 2×2 atoms: W = 1·[[1,0],[0,1]] + (−1)·[[0,1],[1,0]]."""
+    alpha = torch.tensor([[[1.0, -1.0]]])  # (o=1, i=1, m=2)
+    atoms = torch.tensor([[[1.0, 0.0], [0.0, 1.0]], [[0.0, 1.0], [1.0, 0.0]]])  # (m=2, 2, 2)
+    got = effective_filters({"conv.coefficients": alpha, "conv.atoms": atoms, "conv.bias": torch.zeros(1)})
+    assert set(got) == {"conv"}
+    assert got["conv"].dtype == torch.float64
+    assert got["conv"].tolist() == [[[[1.0, -1.0], [-1.0, 1.0]]]]
 
 
-def test_realistic_bilinear_closed_forms() -> None:
-    gen = torch.Generator().manual_seed(2)
-    p = weights(N_K)
-    alpha_bar = torch.randn(C_OUT, C_IN, M_A, generator=gen, dtype=torch.float64)
-    atoms_bar = torch.randn(M_A, K, K, generator=gen, dtype=torch.float64)
-    s, big_l, big_p, var_prod_cf = closed_forms(p, alpha_bar, atoms_bar)
-    var_avg_cf = s * big_l + s * big_p
+# Two clients, one 1×1 atom, one channel: every tensor is a scalar.
+#   client 1: α = 1, D = 1 → W = 1;   client 2: α = 3, D = 3 → W = 9.
+# Equal weights p = (½, ½):
+#   average of products Σp W_k = 5, its dispersion ½(1−5)² + ½(9−5)² = 16;
+#   product of averages ᾱ·D̄ = 2·2 = 4, so Σp ‖W_k − 4‖² = ½·9 + ½·25 = 17 (= 16 + (5−4)²).
+# Weights 1 : 3, p = (¼, ¾):
+#   Σp W_k = ¼ + 27/4 = 7, dispersion ¼·36 + ¾·4 = 12; ᾱ = D̄ = ¼ + 9/4 = 5/2, ᾱ·D̄ = 25/4;
+#   Σp ‖W_k − 25/4‖² = ¼·(21/4)² + ¾·(11/4)² = 441/64 + 363/64 = 804/64 = 12.5625.
+# Per-tensor dispersion of α (and of D): ½·1 + ½·1 = 1 with equal weights, ¼·(3/2)² + ¾·(1/2)² = 3/4
+# with 1 : 3; the model-wide total adds α's and D's.
+TWO_CLIENTS = [(1.0, 1.0), (3.0, 3.0)]  # (α, D) per client
 
-    alpha, atoms, a, d = draw_clients(gen, 6000, len(N_K), alpha_bar, atoms_bar)
-    avg_of_products, prod_of_avgs = products(p, alpha, atoms)
-    var_avg, var_prod = trace_var(avg_of_products), trace_var(prod_of_avgs)
-    assert var_avg == pytest.approx(var_avg_cf, rel=0.03)
-    assert var_prod == pytest.approx(var_prod_cf, rel=0.03)
-    assert var_prod <= var_avg and var_prod_cf <= var_avg_cf
 
-    # The first-order terms are identical, so the gap is all second order: Σp a_k×d_k vs ā×d̄.
-    second_avg = torch.einsum("k,nkoiq,nkqxy->noixy", p, a, d)
-    second_prod = torch.einsum(
-        "noiq,nqxy->noixy", torch.einsum("k,nk...->n...", p, a), torch.einsum("k,nk...->n...", p, d)
+def _scalar_client(alpha: float, atom: float) -> dict[str, Tensor]:
+    return {"conv.coefficients": torch.tensor([[[alpha]]]), "conv.atoms": torch.tensor([[[atom]]])}
+
+
+def test_effective_dispersion_two_clients_one_atom_by_hand() -> None:
+    t = torch.tensor
+    assert effective_dispersion(t([[[[5.0]]]]), 16.0, t([[[2.0]]]), t([[[2.0]]])) == 17.0
+    assert effective_dispersion(t([[[[7.0]]]]), 12.0, t([[[2.5]]]), t([[[2.5]]])) == 12.5625
+
+
+@pytest.mark.parametrize(("samples", "expected", "per_tensor"), [((10, 10), 17.0, 1.0), ((1, 3), 12.5625, 0.75)])
+def test_streamed_dispersions_two_clients_one_atom_by_hand(
+    samples: tuple[int, int], expected: float, per_tensor: float
+) -> None:
+    tensors, filters = WeightedMean(), WeightedMean()
+    for (alpha, atom), n in zip(TWO_CLIENTS, samples, strict=True):
+        client = _scalar_client(alpha, atom)
+        tensors.add(client, n)
+        filters.add(effective_filters(client), n)
+    raw = tensors.mean(cast=False)
+    got = effective_dispersion(
+        filters.mean(cast=False)["conv"], filters.dispersion()["conv"], raw["conv.coefficients"], raw["conv.atoms"]
     )
-    torch.testing.assert_close(avg_of_products - prod_of_avgs, second_avg - second_prod)
-    assert trace_var(second_avg) == pytest.approx(s * big_p, rel=0.03)
-    assert trace_var(second_prod) == pytest.approx(s * s * big_p, rel=0.03)
-    gap_cf = (s - s * s) * big_p
-    assert trace_var(second_avg) - trace_var(second_prod) == pytest.approx(gap_cf, rel=0.05)
-    # the direct estimate carries the first-order noise too: looser
-    assert var_avg - var_prod == pytest.approx(gap_cf, rel=0.35)
-
-
-def test_variance_decreases_with_m() -> None:
-    gen = torch.Generator().manual_seed(3)
-    alpha_bar = torch.randn(C_OUT, C_IN, M_A, generator=gen, dtype=torch.float64)
-    atoms_bar = torch.randn(M_A, K, K, generator=gen, dtype=torch.float64)
-    prev = (math.inf, math.inf, math.inf, math.inf)
-    for m in (2, 4, 8, 16):
-        p = weights([1] * m)
-        s, big_l, big_p, var_prod_cf = closed_forms(p, alpha_bar, atoms_bar)
-        var_avg_cf = s * big_l + s * big_p
-        alpha, atoms, _, _ = draw_clients(gen, 1500, m, alpha_bar, atoms_bar)
-        avg_of_products, prod_of_avgs = products(p, alpha, atoms)
-        now = (var_prod_cf, var_avg_cf, trace_var(prod_of_avgs), trace_var(avg_of_products))
-        assert all(x < y for x, y in zip(now, prev, strict=True)), (m, now, prev)
-        prev = now
+    assert got == pytest.approx(expected, abs=1e-12)
+    assert tensors.dispersion() == pytest.approx({"conv.coefficients": per_tensor, "conv.atoms": per_tensor})
+    assert total_dispersion(tensors.dispersion()) == pytest.approx(2 * per_tensor)
 
 
 # --------------------------------------------------------------------------- effective-filter dispersion

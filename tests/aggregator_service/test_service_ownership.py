@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_helpers import SECRET, free_port, wait_serving
-from support import postgres_schema
+from support import postgres_base, postgres_schema
 
 from aggregator_service import store
 from fedwire.v1 import aggregator_pb2 as pb
@@ -27,10 +27,7 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'agg.db'}"
         return
-    base = os.environ.get("FEDATOMS_TEST_POSTGRES_URL")
-    if not base:
-        pytest.skip("FEDATOMS_TEST_POSTGRES_URL not set: PostgreSQL ownership test skipped")
-    with postgres_schema(base) as scoped:
+    with postgres_schema(postgres_base()) as scoped:
         yield scoped
 
 
@@ -137,10 +134,7 @@ def _kill_lock_session(url: str, federation: str) -> None:
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """Only PostgreSQL's advisory lock can be lost while its holder lives (a flock cannot)."""
-    base = os.environ.get("FEDATOMS_TEST_POSTGRES_URL")
-    if not base:
-        pytest.skip("FEDATOMS_TEST_POSTGRES_URL not set: PostgreSQL ownership test skipped")
-    with postgres_schema(base) as scoped:
+    with postgres_schema(postgres_base()) as scoped:
         yield scoped
 
 

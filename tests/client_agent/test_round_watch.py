@@ -3,79 +3,44 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
-from pathlib import Path
 
-from processes import SECRET
+from support import wait_until
 
-from aggregator_service import store
-from aggregator_service.config import AggregatorSettings, FederationConfig
-from aggregator_service.coordinator import Coordinator
-from aggregator_service.server import build_server
 from client_agent.pacing import ComputeSlot, RoundWatch
-from client_agent.transport import AggregatorClient
-from fedcore.tiers import CapabilityProfile
+from fedwire.v1 import aggregator_pb2 as pb
 
 
-def test_the_watch_asks_rarely_while_an_agent_trains_and_at_once_when_it_is_done(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'agg.db'}"
-    settings = AggregatorSettings(
-        listen="127.0.0.1:0", database_url=url, enrollment_secret=SECRET, federation=FederationConfig(rounds=2)
-    )
-    store.upgrade(url)
-    coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
-    server, port, _ = build_server(settings, coordinator, max_workers=4)
-    server.start()
-    client = AggregatorClient(f"127.0.0.1:{port}")
-    beats: list[float] = []
-    real = client.heartbeat
+class Client:
+    """A stand-in for AggregatorClient: each heartbeat is counted and answers the same reply."""
 
-    def counted(*, retry: bool = True):  # the real call over gRPC, timestamped
-        reply = real(retry=retry)
-        beats.append(time.monotonic())
-        return reply
+    def __init__(self) -> None:
+        self.beats = 0
 
-    client.heartbeat = counted  # type: ignore[method-assign]
-    watch = RoundWatch(client, interval=0.01, training_interval=0.5)
+    def heartbeat(self, *, retry: bool = True) -> pb.HeartbeatReply:
+        self.beats += 1
+        return pb.HeartbeatReply(current_round=1, last_closed_round=0)
+
+
+def test_the_watch_asks_rarely_while_an_agent_trains_and_at_once_when_it_is_done() -> None:
+    client = Client()
+    # a training interval no test run reaches: while an agent trains, the watch asks only once more at most
+    watch = RoundWatch(client, interval=0.01, training_interval=3600)  # type: ignore[arg-type]
+    watch.start()
     try:
-        client.register(CapabilityProfile(num_samples=10), SECRET)
-        watch.start()
-        time.sleep(1.0)
-        idle = len(beats)
-        assert idle >= 10, idle  # every ~10 ms (plus the call) while nobody trains
+        assert wait_until(lambda: client.beats >= 10), client.beats  # every ~10 ms while nobody trains
+        assert watch.wait(lambda beat: beat.current_round == 1, timeout=10).current_round == 1
 
-        done = threading.Event()
-
-        def train() -> None:
-            with watch.training():
-                done.wait()
-
-        trainer = threading.Thread(target=train)
-        trainer.start()
-        time.sleep(0.3)  # the watch may be mid-wait of the fast interval when training starts
-        before = len(beats)
-        time.sleep(1.2)
-        assert len(beats) - before <= 4, len(beats) - before  # every 0.5 s while an agent trains
-        finished = time.monotonic()
-        done.set()
-        trainer.join()
-        time.sleep(0.8)
-        after = [t for t in beats if t > finished]
-        # asked again as soon as training ended (the call's own time under load aside), well before 0.5 s
-        assert after and after[0] - finished < 0.4, after[:1]
-        assert len(after) >= 5  # and fast again
+        with watch.training():
+            started = client.beats
+            # the call in flight when training began may finish, and then the watch waits for the agent;
+            # a watch that kept the fast interval would ask ~20 more times in this 0.2 s
+            assert not wait_until(lambda: client.beats > started + 1, timeout=0.2), client.beats - started
+            during = client.beats
+        # asked again as soon as the last agent is done (not after the hour), and fast again
+        assert wait_until(lambda: client.beats > during), "no heartbeat after the training ended"
+        assert wait_until(lambda: client.beats >= during + 10), client.beats - during
     finally:
         watch.stop()
-        client.close()
-        server.stop(None)
-
-
-def _until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def test_the_compute_slot_gives_trainings_precedence_over_deferred_evaluations() -> None:
@@ -102,13 +67,14 @@ def test_the_compute_slot_gives_trainings_precedence_over_deferred_evaluations()
     evals = [threading.Thread(target=evaluation, args=(i,)) for i in range(3)]
     for t in evals:
         t.start()
-    _until(lambda: slot._waiting[False] == 3)  # the evaluations wait first ...
+    assert wait_until(lambda: slot._waiting[False] == 3)  # the evaluations wait first ...
     trains = [threading.Thread(target=training, args=(i,)) for i in range(3)]
     for t in trains:
         t.start()
-    _until(lambda: slot._waiting[True] == 3)
+    assert wait_until(lambda: slot._waiting[True] == 3)
     release.set()  # ... yet every waiting training goes before them
     for t in [holder, *evals, *trains]:
         t.join(timeout=10)
+        assert not t.is_alive()
     assert sorted(order[:3]) == ["train-0", "train-1", "train-2"]
     assert sorted(order[3:]) == ["eval-0", "eval-1", "eval-2"]

@@ -10,7 +10,6 @@ server on an ephemeral loopback port.
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import threading
@@ -21,14 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import pytest
 import uvicorn
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "aggregator_service"))
 from grpc_helpers import SECRET, Client, register, shards, small_federation
-from support import PG_ENV, postgres_schema
+from support import postgres_base, postgres_schema
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings
@@ -51,10 +49,7 @@ def database(backend: str, tmp: Path) -> Iterator[str]:
     if backend == "sqlite":
         yield f"sqlite:///{tmp / 'fedatoms.db'}"
         return
-    base = os.environ.get(PG_ENV)
-    if not base:
-        pytest.skip(f"{PG_ENV} not set: PostgreSQL dashboard tests skipped")
-    with postgres_schema(base) as url:
+    with postgres_schema(postgres_base()) as url:
         yield url
 
 

@@ -9,11 +9,14 @@ from pathlib import Path
 import httpx
 import pytest
 from dashboard_helpers import Federation, LiveServer, database, run_federation
+from support import chromium
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = chromium()
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking"]
 
-pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} missing: apt-get install chromium")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no Chromium (/usr/bin/chromium or chromium on PATH): apt-get install chromium"
+)
 
 
 @pytest.fixture(scope="module")

@@ -500,15 +500,29 @@ def test_matrix_to_factors_dtype_and_validation():
         matrix_to_factors(torch.randn(2, 3, 4), 1)
 
 
-@pytest.mark.parametrize("gamma", [1.0, 0.5, 0.25, 0.125])
-@pytest.mark.parametrize("c_out", [1, 3, 4, 10, 64, 100, 512])
-def test_rank_for(gamma, c_out):
-    assert rank_for(gamma, c_out) == max(1, round(gamma * c_out))
+# FedHM's rule r = max(1, round(γ·c_out)) (specs/fedhm.md §1.3), worked out by hand for the four
+# tiers. Halves round to even as in the paper's code (Python's round): 1.5 → 2, 2.5 → 2, 12.5 → 12.
+RANKS = {
+    # c_out: (γ=1, γ=1/2, γ=1/4, γ=1/8)
+    1: (1, 1, 1, 1),  # 0.5 → 0 and 0.125 → 0, both clamped to 1
+    3: (3, 2, 1, 1),  # 1.5 → 2; 0.75 → 1; 0.375 → 0 → 1
+    4: (4, 2, 1, 1),  # 0.5 → 0 → 1
+    10: (10, 5, 2, 1),  # 2.5 → 2; 1.25 → 1
+    20: (20, 10, 5, 2),  # 2.5 → 2
+    32: (32, 16, 8, 4),
+    64: (64, 32, 16, 8),
+    100: (100, 50, 25, 12),  # 12.5 → 12
+    120: (120, 60, 30, 15),
+    512: (512, 256, 128, 64),
+}
 
 
-def test_rank_for_known_values_and_validation():
-    assert [rank_for(g, 64) for g in (1.0, 0.5, 0.25, 0.125)] == [64, 32, 16, 8]
-    assert rank_for(0.125, 4) == 1  # round(0.5) = 0 → clamped to 1
+@pytest.mark.parametrize("c_out", sorted(RANKS))
+def test_rank_for(c_out):
+    assert [rank_for(g, c_out) for g in (1.0, 0.5, 0.25, 0.125)] == list(RANKS[c_out])
+
+
+def test_rank_for_rejects_ratios_outside_the_unit_interval():
     for bad in (0.0, -0.5, 1.0001, 2.0):
         with pytest.raises(ValueError):
             rank_for(bad, 64)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedcore.layers import AtomConv2d, LowRankConv2d, LowRankLinear, rank_for
+from fedcore.layers import AtomConv2d, LowRankConv2d, LowRankLinear
 from fedcore.models import FACTORIZATIONS, MODELS, Factorization, build_model, model_info
 
 TIERS = (1.0, 0.5, 0.25, 0.125)
@@ -174,43 +174,110 @@ def test_none_ignores_the_tier():
 # --------------------------------------------------------------------------- layer rules
 
 
-def expected_layer(name: str, module_name: str, plain: nn.Module, factorization: str, rank_ratio: float):
-    """(type, rank) the factorization rules of models.py / specs/fedhm.md §1.4 give a layer."""
-    low = factorization in ("lowrank", "atoms-lowrank") and rank_ratio < 1.0
-    prefix = module_name in full_rank_prefix(name)
-    if isinstance(plain, nn.Linear):
-        if module_name == "head" or not low:
-            return nn.Linear, None
-        return LowRankLinear, rank_for(rank_ratio, plain.out_features)
-    assert isinstance(plain, nn.Conv2d)
-    k = plain.kernel_size[0]
-    rank = rank_for(rank_ratio, plain.out_channels) if low and not prefix else None
-    if k == 1 or factorization == "none":
-        return nn.Conv2d, None
-    if factorization in ("atoms", "atoms-lowrank"):
-        return AtomConv2d, rank
-    if factorization == "lowrank" and rank is not None:
-        return LowRankConv2d, rank
-    return nn.Conv2d, None
+# Every conv/linear of the small models, written out by hand from the rules of specs/fedhm.md §1.3–1.4
+# and models.Factorization: conv1 (the full-rank prefix) and the head are never low rank, a k×k conv
+# is atoms under "atoms*", ranks are round(γ·c_out): at γ = ¼, 64 → 16, 128 → 32, 120 → 30, 256 → 64,
+# 512 → 128; at γ = ⅛ (lenet-cifar10), 64 → 8, 120 → 15.
+LAYOUTS = {
+    ("digits-cnn", 0.25): {
+        "none": "conv1 Conv2d, conv2 Conv2d, fc1 Linear, head Linear",
+        "atoms": "conv1 AtomConv2d, conv2 AtomConv2d, fc1 Linear, head Linear",
+        "lowrank": "conv1 Conv2d, conv2 LowRankConv2d/16, fc1 LowRankLinear/32, head Linear",
+        "atoms-lowrank": "conv1 AtomConv2d, conv2 AtomConv2d/16, fc1 LowRankLinear/32, head Linear",
+    },
+    ("mnist-cnn", 0.25): {
+        "none": "conv1 Conv2d, conv2 Conv2d, fc1 Linear, head Linear",
+        "atoms": "conv1 AtomConv2d, conv2 AtomConv2d, fc1 Linear, head Linear",
+        "lowrank": "conv1 Conv2d, conv2 LowRankConv2d/16, fc1 LowRankLinear/128, head Linear",
+        "atoms-lowrank": "conv1 AtomConv2d, conv2 AtomConv2d/16, fc1 LowRankLinear/128, head Linear",
+    },
+    ("lenet-cifar10", 0.25): {
+        "none": "conv1 Conv2d, conv2 Conv2d, fc1 Linear, fc2 Linear, head Linear",
+        "atoms": "conv1 AtomConv2d, conv2 AtomConv2d, fc1 Linear, fc2 Linear, head Linear",
+        "lowrank": "conv1 Conv2d, conv2 LowRankConv2d/16, fc1 LowRankLinear/30, fc2 LowRankLinear/16, head Linear",
+        "atoms-lowrank": (
+            "conv1 AtomConv2d, conv2 AtomConv2d/16, fc1 LowRankLinear/30, fc2 LowRankLinear/16, head Linear"
+        ),
+    },
+    ("lenet-cifar10", 0.125): {
+        "lowrank": "conv1 Conv2d, conv2 LowRankConv2d/8, fc1 LowRankLinear/15, fc2 LowRankLinear/8, head Linear",
+        "atoms-lowrank": "conv1 AtomConv2d, conv2 AtomConv2d/8, fc1 LowRankLinear/15, fc2 LowRankLinear/8, head Linear",
+    },
+    ("lenet-cifar100", 0.25): {
+        "none": "conv1 Conv2d, conv2 Conv2d, fc1 Linear, fc2 Linear, head Linear",
+        "atoms": "conv1 AtomConv2d, conv2 AtomConv2d, fc1 Linear, fc2 Linear, head Linear",
+        "lowrank": "conv1 Conv2d, conv2 LowRankConv2d/32, fc1 LowRankLinear/64, fc2 LowRankLinear/32, head Linear",
+        "atoms-lowrank": (
+            "conv1 AtomConv2d, conv2 AtomConv2d/32, fc1 LowRankLinear/64, fc2 LowRankLinear/32, head Linear"
+        ),
+    },
+}
 
 
-@pytest.mark.parametrize("rank_ratio", TIERS)
-@pytest.mark.parametrize("factorization", FACTORIZATIONS)
-@pytest.mark.parametrize("name", MODELS)
-def test_every_layer_follows_the_factorization_rules(name, factorization, rank_ratio):
-    plain = build_on_meta(name)
-    model = build_on_meta(name, factorization, rank_ratio)
-    plain_layers = {n: m for n, m in plain.named_modules() if isinstance(m, nn.Conv2d | nn.Linear)}
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear, *FACTORIZED_TYPES))}
-    assert set(layers) == set(plain_layers)
-    for module_name, plain_layer in plain_layers.items():
-        kind, rank = expected_layer(name, module_name, plain_layer, factorization, rank_ratio)
-        layer = layers[module_name]
-        assert type(layer) is kind, module_name
-        if kind in FACTORIZED_TYPES:
-            assert layer.rank == rank, module_name
-    # the head is always a plain Linear called "head"
-    assert type(model.head) is nn.Linear
+def layout(model: nn.Module) -> str:
+    """``"<module> <type>[/<rank>]"`` for every conv and linear, in definition order."""
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Conv2d, nn.Linear, *FACTORIZED_TYPES)):
+            rank = getattr(module, "rank", None)
+            out.append(f"{name} {type(module).__name__}" + (f"/{rank}" if rank is not None else ""))
+    return ", ".join(out)
+
+
+@pytest.mark.parametrize(
+    ("name", "rank_ratio", "factorization"),
+    [(name, gamma, kind) for (name, gamma), kinds in LAYOUTS.items() for kind in kinds],
+)
+def test_every_layer_follows_the_factorization_rules(name, rank_ratio, factorization):
+    assert layout(build_on_meta(name, factorization, rank_ratio)) == LAYOUTS[name, rank_ratio][factorization]
+
+
+def hand_filter(layer: nn.Module) -> torch.Tensor:
+    """The dense ``(o, i, k, k)`` filter a factorized conv stands for, rebuilt from its parameters by hand."""
+    if isinstance(layer, nn.Conv2d):
+        return layer.weight
+    if isinstance(layer, LowRankConv2d):  # FedHM's unrolled M = U V with rows (o, kh) and columns (i, kw)
+        o, i, k = layer.out_channels, layer.in_channels, layer.kernel_size
+        u = layer.lowrank_u.reshape(o, k, layer.rank)
+        v = layer.lowrank_v.reshape(layer.rank, i, k)
+        return torch.einsum("oxr,riy->oixy", u, v)
+    assert isinstance(layer, AtomConv2d)
+    if layer.rank is None:
+        alpha = layer.coefficients
+    else:  # the (o, i·m) coefficient matrix = coefficients_u coefficients_v
+        cv = layer.coefficients_v.reshape(layer.rank, layer.in_channels, layer.num_atoms)
+        alpha = torch.einsum("or,riq->oiq", layer.coefficients_u, cv)
+    return (alpha[:, :, :, None, None] * layer.atoms[None, None]).sum(dim=2)  # W[o,i] = Σ_q α[o,i,q] D_q
+
+
+@pytest.mark.parametrize(
+    ("kind", "keep_full_rank", "expected_type"),
+    [
+        ("none", False, nn.Conv2d),
+        ("atoms", False, AtomConv2d),
+        ("lowrank", False, LowRankConv2d),
+        ("lowrank", True, nn.Conv2d),
+        ("atoms-lowrank", False, AtomConv2d),
+        ("atoms-lowrank", True, AtomConv2d),
+    ],
+)
+def test_factorized_conv_computes_a_plain_conv_with_its_reconstructed_filter(kind, keep_full_rank, expected_type):
+    """Factorization.conv(3 → 4, k=3, stride 2, padding 1) at γ = ½ (rank 2) is F.conv2d with the hand-built filter."""
+    torch.manual_seed(0)
+    layer = Factorization(kind, num_atoms=5, rank_ratio=0.5).conv(
+        3, 4, 3, stride=2, padding=1, keep_full_rank=keep_full_rank
+    )
+    layer = layer.double()
+    assert type(layer) is expected_type
+    low = kind in ("lowrank", "atoms-lowrank") and not keep_full_rank
+    assert getattr(layer, "rank", None) == (2 if low else None)  # round(½ · 4)
+    with torch.no_grad():
+        for p in layer.parameters():  # nonzero everywhere, bias included
+            p.copy_(torch.randn_like(p))
+    x = torch.randn(2, 3, 7, 6, dtype=torch.float64)
+    expected = F.conv2d(x, hand_filter(layer), layer.bias, stride=2, padding=1)
+    assert expected.shape == (2, 4, 4, 3)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("factorization", ["lowrank", "atoms-lowrank"])

@@ -1,14 +1,14 @@
 """Store fixtures: every test runs on a real SQLite file and, when configured, on a real PostgreSQL.
 
-PostgreSQL runs when ``FEDATOMS_TEST_POSTGRES_URL`` names a database the tests may create
-schemas in (e.g. ``postgresql+psycopg://postgres@127.0.0.1:5432/test``); each test gets its
+PostgreSQL runs when a server answers on ``FEDATOMS_TEST_POSTGRES_URL`` (by default
+``postgresql+psycopg://postgres@127.0.0.1:5432/test``, see support.py), a database the tests may
+create schemas in; each test gets its
 own ``t_<uuid>`` schema (via ``search_path`` in the connection options), dropped afterwards,
 so parallel pytest workers never see each other's tables.
 """
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,10 +18,10 @@ import pytest
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+from support import postgres_base
 
 from aggregator_service import store
 
-PG_ENV = "FEDATOMS_TEST_POSTGRES_URL"
 SECRET = "enrol-me-0b7d1c9e"  # a value no column may ever contain
 FAST_PBKDF2 = 1_000  # the default (600k) costs ~0.15 s per hash; one test checks it
 T0 = datetime(2030, 1, 1, 12, 0, tzinfo=UTC)
@@ -33,9 +33,7 @@ def db_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'fedatoms.db'}"
         return
-    base = os.environ.get(PG_ENV)
-    if not base:
-        pytest.skip("FEDATOMS_TEST_POSTGRES_URL not set: PostgreSQL store tests skipped")
+    base = postgres_base()
     schema = f"t_{uuid.uuid4().hex}"
     admin = create_engine(base)
     try:
