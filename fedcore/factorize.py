@@ -14,15 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedcore.layers import (
-    AtomConv2d,
-    LowRankConv2d,
-    LowRankLinear,
-    atoms_from_filters,
-    coefficients_to_matrix,
-    conv_weight_to_matrix,
-    matrix_to_factors,
-)
+from fedcore.layers import AtomConv2d, LowRankConv2d, LowRankLinear
 
 __all__ = ["load_from_plain"]
 
@@ -67,22 +59,13 @@ def _full_shape(layer: nn.Module) -> torch.Size:
 
 
 def _fit(layer: nn.Module, source: nn.Conv2d | nn.Linear) -> None:
-    weight = source.weight.detach()
+    """Copy into ``layer`` the fit its own converter makes of ``source`` (layer identities are kept)."""
     if isinstance(layer, AtomConv2d):
-        coefficients, atoms = atoms_from_filters(weight, layer.num_atoms)
-        layer.atoms.copy_(atoms)
-        if layer.rank is None:
-            layer.coefficients.copy_(coefficients)
-        else:
-            u, v = matrix_to_factors(coefficients_to_matrix(coefficients), layer.rank)
-            layer.coefficients_u.copy_(u)
-            layer.coefficients_v.copy_(v)
+        fitted: nn.Module = AtomConv2d.from_conv(source, layer.num_atoms, rank=layer.rank)  # type: ignore[arg-type]
+    elif isinstance(layer, LowRankConv2d):
+        fitted = LowRankConv2d.from_full(source, layer.rank)  # type: ignore[arg-type]
     else:
-        matrix = weight if isinstance(layer, LowRankLinear) else conv_weight_to_matrix(weight)
-        u, v = matrix_to_factors(matrix, layer.rank)
-        layer.lowrank_u.copy_(u)
-        layer.lowrank_v.copy_(v)
-    if layer.bias is not None:
-        if source.bias is None:
-            raise ValueError(f"{type(layer).__name__} has a bias the plain layer lacks")
-        layer.bias.copy_(source.bias)
+        fitted = LowRankLinear.from_full(source, layer.rank)  # type: ignore[arg-type]
+    if (layer.bias is None) != (source.bias is None):
+        raise ValueError(f"{type(layer).__name__} and the plain layer disagree on a bias")
+    layer.load_state_dict(fitted.state_dict())

@@ -235,8 +235,11 @@ class AtomConv2d(nn.Module):
                 self.bias.uniform_(-bound, bound)
 
     @classmethod
-    def from_conv(cls, conv: nn.Conv2d, num_atoms: int = 9) -> AtomConv2d:
-        """Initialize from a trained conv; exact when ``num_atoms ≥ k²``."""
+    def from_conv(cls, conv: nn.Conv2d, num_atoms: int = 9, rank: int | None = None) -> AtomConv2d:
+        """Fit atoms and coefficients to a conv's filters: exact when ``num_atoms ≥ k²``.
+
+        With ``rank``, the coefficient matrix is then held as its best rank-``rank`` factors.
+        """
         _check_convertible(conv)
         layer = cls(
             conv.in_channels,
@@ -247,12 +250,18 @@ class AtomConv2d(nn.Module):
             padding=conv.padding,  # type: ignore[arg-type]  # never the string form here
             dilation=conv.dilation,
             bias=conv.bias is not None,
+            rank=rank,
         )
         layer = layer.to(device=conv.weight.device, dtype=conv.weight.dtype)  # before copying: exact in float64
         coefficients, atoms = atoms_from_filters(conv.weight, num_atoms)
         with torch.no_grad():
             layer.atoms.copy_(atoms)
-            layer.coefficients.copy_(coefficients)
+            if rank is None:
+                layer.coefficients.copy_(coefficients)
+            else:
+                u, v = matrix_to_factors(coefficients_to_matrix(coefficients), rank)
+                layer.coefficients_u.copy_(u)
+                layer.coefficients_v.copy_(v)
             if conv.bias is not None and layer.bias is not None:
                 layer.bias.copy_(conv.bias)
         return layer
@@ -354,7 +363,7 @@ class LowRankConv2d(nn.Module):
     """FedHM's factorized conv: a ``1×k`` conv (``lowrank_v``) then a ``k×1`` conv (``lowrank_u``).
 
     ``lowrank_u (o·k, r)`` and ``lowrank_v (r, i·k)`` are the factors of the unrolled weight
-    (:func:`conv_weight_to_matrix`), so ``to_full()`` is the exact function this layer computes.
+    (:func:`conv_weight_to_matrix`), so ``weight`` is the exact filter this layer computes with.
     No bias, BN or nonlinearity sits between the two convs; that would break ``W = U Vᵀ``.
     """
 
@@ -415,22 +424,6 @@ class LowRankConv2d(nn.Module):
             factors_to_matrix(self.lowrank_u, self.lowrank_v), self.out_channels, self.in_channels, self.kernel_size
         )
 
-    def to_full(self) -> nn.Conv2d:
-        conv = nn.Conv2d(
-            self.in_channels,
-            self.out_channels,
-            self.kernel_size,
-            stride=self.stride,
-            padding=self.padding,
-            dilation=self.dilation,
-            bias=self.bias is not None,
-        ).to(device=self.lowrank_u.device, dtype=self.lowrank_u.dtype)
-        with torch.no_grad():
-            conv.weight.copy_(self.weight)
-            if self.bias is not None and conv.bias is not None:
-                conv.bias.copy_(self.bias)
-        return conv
-
     def macs_per_sample(self, h: int, w: int) -> int:
         k, (sh, sw), (ph, pw), (dh, dw) = self.kernel_size, self.stride, self.padding, self.dilation
         wo = (w + 2 * pw - dw * (k - 1) - 1) // sw + 1
@@ -483,16 +476,6 @@ class LowRankLinear(nn.Module):
     @property
     def weight(self) -> Tensor:
         return factors_to_matrix(self.lowrank_u, self.lowrank_v)
-
-    def to_full(self) -> nn.Linear:
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None).to(
-            device=self.lowrank_u.device, dtype=self.lowrank_u.dtype
-        )
-        with torch.no_grad():
-            linear.weight.copy_(self.weight)
-            if self.bias is not None and linear.bias is not None:
-                linear.bias.copy_(self.bias)
-        return linear
 
     def macs_per_sample(self) -> int:
         return self.rank * (self.in_features + self.out_features)
