@@ -62,7 +62,7 @@ from typing import IO, Any
 
 import grpc
 
-import aggregator_service.coordinator as coordinator_module
+import aggregator_service.coordinator.uploads as uploads_module
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
 from aggregator_service.coordinator import Coordinator
@@ -154,14 +154,14 @@ def serve(url: str) -> None:
     settings = settings_for(url)
     store.upgrade(url)
     coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
-    original = coordinator_module.check_tensors
+    original = uploads_module.check_tensors
 
     def timed(*args: Any, **kwargs: Any) -> Any:
         out = original(*args, **kwargs)
         print(f"validated {time.monotonic()!r}", flush=True)
         return out
 
-    coordinator_module.check_tensors = timed  # type: ignore[assignment]  # push() looks it up per call
+    uploads_module.check_tensors = timed  # type: ignore[assignment]  # push() looks it up per call
     server, port, _ = build_server(settings, coordinator)
     server.start()
     raw_port = raw_copy_server()

@@ -18,7 +18,7 @@ from fedwire.v1 import aggregator_pb2 as pb
 def _happy_path(start_service, url: str, decoded_budget: int | None = None) -> None:
     svc = start_service(url)
     if decoded_budget is not None:
-        svc.coordinator.DECODED_BUDGET_BYTES = decoded_budget
+        svc.coordinator.uploads.decoded.budget_bytes = decoded_budget
     data = shards(2)
     clients = [register(svc.stub, 1.0, data[0]), register(svc.stub, 0.25, data[1])]
     fill_keys(url, clients)
@@ -36,7 +36,7 @@ def _happy_path(start_service, url: str, decoded_budget: int | None = None) -> N
         push = c.train(tasks[c.client_id])
         replies.append(c.push(1, push.tensors, num_samples=push.num_samples, metrics=push.metrics))
         if len(replies) == 1:
-            kept_after_first = len(svc.coordinator._decoded)
+            kept_after_first = len(svc.coordinator.uploads.decoded.kept)
     assert all(r.accepted and not r.duplicate and r.round == 1 for r in replies)
     assert svc.coordinator.open_round is None  # the whole cohort reported: round 1 closed
     # the first update was kept decoded for the close, unless the budget has no room
@@ -96,7 +96,7 @@ def test_deadline_closes_with_quorum(start_service, sqlite_url) -> None:
         _, reply = c.round_trip()
         assert reply.accepted
     assert svc.coordinator.open_round is not None
-    before = svc.coordinator._open.deadline
+    before = svc.coordinator.shared.open.deadline
     svc.coordinator.tick(before - timedelta(seconds=1))
     assert svc.coordinator.open_round is not None  # not yet
     svc.coordinator.tick(before + timedelta(seconds=1))
@@ -146,7 +146,7 @@ def test_deadline_without_quorum_extends_once_then_abandons(start_service, sqlit
     for c in clients:
         assert c.task().WhichOneof("kind") == "train"
     clients[0].round_trip()
-    op = svc.coordinator._open
+    op = svc.coordinator.shared.open
     first = op.deadline
     svc.coordinator.tick(first + timedelta(seconds=1))
     assert svc.coordinator.open_round is not None and op.extended and op.deadline > first
@@ -164,17 +164,17 @@ def test_deadline_counts_a_push_that_committed_but_has_not_counted_itself(start_
     svc, clients = _three_in_round_one(start_service, sqlite_url)
     co = svc.coordinator
     clients[0].round_trip()
-    op = co._open
+    op = co.shared.open
     co.tick(op.deadline + timedelta(seconds=1))  # 1 of the 2 needed: extended
     assert op.extended
-    commit = co._writes.run
+    commit = co.shared.writes.run
 
     def commit_then_deadline(write):  # the second deadline fires right after this push's commit
         out = commit(write)
         co.tick(op.deadline + timedelta(seconds=1))
         return out
 
-    co._writes.run = commit_then_deadline
+    co.shared.writes.run = commit_then_deadline
     _, reply = clients[1].round_trip()
     assert reply.accepted and not reply.duplicate
     assert co.open_round is None and co.federation.round == 1  # closed with the quorum, not abandoned

@@ -53,7 +53,7 @@ def coordinator(sqlite_url: str) -> tuple[Coordinator, _Clock]:
 
 
 def _last_seen(c: Coordinator, client_id: str) -> datetime:
-    with c._factory.begin() as s:
+    with c.factory.begin() as s:
         row = store.get_client(s, client_id)
         assert row is not None
         return row.last_seen
@@ -112,12 +112,12 @@ def test_last_seen_refreshes_are_batched_but_never_let_a_client_look_offline(coo
     b = c.register(CapabilityProfile(num_samples=10, preferred_tier=1.0), SECRET)
     registered = _last_seen(c, a.client_id)
 
-    clock.now += c._touch_every + timedelta(seconds=1)
+    clock.now += c.registry.touch_every + timedelta(seconds=1)
     c.authenticate(a.token)  # due, but the stored time is recent: deferred
     assert _last_seen(c, a.client_id) == registered
     first = clock.now
 
-    clock.now += c._TOUCH_BATCH
+    clock.now += c.registry.TOUCH_BATCH
     c.authenticate(b.token)  # a due refresh finds the batch old enough: both are written
     assert _last_seen(c, a.client_id) == first
     assert _last_seen(c, b.client_id) == clock.now
@@ -126,7 +126,7 @@ def test_last_seen_refreshes_are_batched_but_never_let_a_client_look_offline(coo
     c.authenticate(a.token)  # stored time half a timeout old: written now, not batched
     assert _last_seen(c, a.client_id) == clock.now
 
-    with c._factory.begin() as s:
+    with c.factory.begin() as s:
         assert store.revoke_client(s, a.client_id)
     with pytest.raises(Unauthenticated, match="revoked"):  # no cached authentication outlives a revocation
         c.authenticate(a.token)

@@ -354,7 +354,7 @@ def test_agent_waiting_on_an_abandoned_round_moves_on_to_the_next(tmp_path: Path
             if agent.state is not None and agent.state.evaluate_round == 1:
                 break
         assert agent.state is not None and agent.state.evaluate_round == 1  # pushed, waiting for round 1 to close
-        deadline = coordinator._open.deadline
+        deadline = coordinator.shared.open.deadline
         coordinator.tick(deadline + timedelta(seconds=1))  # no quorum: extended once
         coordinator.tick(deadline + timedelta(seconds=settings.deadline_seconds + 2))  # still none: abandoned
         assert coordinator.open_round is None  # and nobody has asked for round 2 yet

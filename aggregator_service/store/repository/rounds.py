@@ -237,6 +237,7 @@ def store_update(
     tensors: Mapping[str, Any],
     control_delta: Mapping[str, Any] | None = None,
     *,
+    finite: bool = False,
     now: datetime | None = None,
 ) -> tuple[Update, bool]:
     """Store one client's update for an open round; ``(update header, duplicate)``.
@@ -253,7 +254,9 @@ def store_update(
     :class:`NotInCohort`, :class:`UpdateConflict` (a different update of this client for this
     round, or an update_id of another client), :class:`~fedcore.codec.CodecError` (NaN/Inf,
     unsupported dtype) and :class:`ValueError` (bad counts or metrics). Names and shapes are
-    the caller's to validate against the client's tier spec.
+    the caller's to validate against the client's tier spec. ``finite=True``: the caller has already
+    refused NaN and Inf (:func:`aggregator_service.validation.check_tensors`), so the arrays are not
+    scanned again.
     """
     if not update_id or len(update_id) > 128:
         raise ValueError(f"update_id must have 1 to 128 characters, got {len(update_id or '')}")
@@ -273,7 +276,7 @@ def store_update(
         """dtype, shape, bytes: a C-contiguous little-endian array is bound in place (no 45 MB ``tobytes`` copy)."""
         wire = wire_names.get(array.dtype) if isinstance(array, np.ndarray) and array.size else None
         if wire is not None and array.ndim and array.flags.c_contiguous:
-            if not all_finite(array):
+            if not finite and not all_finite(array):
                 raise CodecError(name, "contains NaN or Inf values", "nonfinite")
             return wire, tuple(int(d) for d in array.shape), memoryview(array).cast("B")
         enc = _encode(name, array)

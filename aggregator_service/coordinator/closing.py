@@ -1,0 +1,273 @@
+"""Closing rounds: folding the stored updates into a new global model, its metrics, and the deadlines.
+
+A close is the heaviest thing the service does (every update decoded and folded, the server
+evaluation), and every client waits on it, so it runs under no lock GetTask, Heartbeat or
+Push take, and in no write transaction:
+
+1. under the shared lock, the round is marked ``closing`` (pushes and tasks for it wait for the
+   outcome, :meth:`Shared.settled`; heartbeats and fetches go on with the last global model);
+2. a copy of the engine folds the round's updates, read in a read transaction, and closes; the
+   server evaluates the new model;
+3. one short write transaction locks the round, checks that the stored updates are exactly the
+   ones folded (a push that committed meanwhile means folding again), and writes everything the
+   close produced, as before, in one commit;
+4. under the shared lock, the copy replaces the engine and the round is no longer open.
+
+A failed close leaves the engine untouched and reloads from the store; the round stays open.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+from typing import Any
+
+import torch
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from aggregator_service import store
+from aggregator_service.logfmt import kv
+from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
+from aggregator_service.rounds import Federation, RoundOutcome
+from aggregator_service.updates import ClientUpdate
+from fedcore.keys import client_key
+
+from .ledger import Counts, Ledger
+from .restore import load, split_strategy_state
+from .shared import OpenRound, Shared
+from .uploads import DecodedUpdates
+
+__all__ = ["Closing"]
+
+log = logging.getLogger("fedatoms.aggregator")
+
+
+class Closing:
+    """Round closes and deadlines; no lock of its own: the open round's ``closing`` mark admits one close."""
+
+    def __init__(self, shared: Shared, ledger: Ledger, decoded: DecodedUpdates) -> None:
+        self.shared = shared
+        self.ledger = ledger
+        self.decoded = decoded
+        self._eval_data: Any = None
+        settings = shared.settings
+        if settings.eval_dataset:
+            from fedcore.data import load_dataset
+
+            self._eval_data = load_dataset(settings.eval_dataset, settings.eval_data_dir)[1]
+
+    def close(self, op: OpenRound, reason: str) -> None:
+        """Close ``op``, which the caller marked ``closing``; a failure is logged and the round stays open."""
+        try:
+            self._close(op, reason)
+        except Exception:
+            log.exception(kv("round_close_failed", round=op.plan.round))
+        finally:
+            with self.shared.lock:
+                op.closing = False
+                self.shared.settle()
+
+    def _close(self, op: OpenRound, reason: str) -> RoundOutcome:
+        shared, plan = self.shared, op.plan
+        while True:
+            drained: Counts = {}
+            try:
+                with shared.lock:
+                    fed = _copy(shared.federation)
+                folded = self._fold(fed, op)
+                outcome = fed.close()
+                round_metrics = self._round_metrics(fed, outcome)
+                json_state, strategy_tensors = split_strategy_state(fed.strategy.state_dict())
+                done = outcome.round >= shared.config.rounds
+                with shared.factory.begin() as s:
+                    rnd = store.lock_round(s, shared.fed_row, plan.round)
+                    # a push that committed after the read must be folded too: fold again
+                    refold = rnd.state == "open" and _stored(s, shared.fed_row, plan.round) != folded
+                    if not refold:
+                        self.ledger.count_folded(plan.round, folded)
+                        drained = self.ledger.write(s)  # the round's metrics sum its transfers
+                        store.close_round(
+                            s,
+                            shared.fed_row,
+                            plan.round,
+                            new_tensors={
+                                n: (t, fed.versions[n], outcome.intervals[n]) for n, t in outcome.result.tensors.items()
+                            },
+                            intervals=outcome.intervals,
+                            round_metrics=round_metrics,
+                            tensor_metrics=_tensor_metrics(fed, outcome),
+                            transfers=[],
+                            strategy_state=json_state,
+                            policy_state=fed.policy.state_dict(),
+                            strategy_tensors=strategy_tensors,
+                            next_round=None if done else plan.round + 1,
+                        )
+            except Exception:
+                self.ledger.unwrite(drained)
+                load(shared)  # the transaction rolled back: follow the store
+                raise
+            if not refold:
+                break
+            log.info(kv("round_close_refolded", round=plan.round))
+        with shared.lock:
+            shared.federation, shared.open = fed, None
+            self.decoded.forget()
+            if done:
+                shared.state = "done"
+        log.info(
+            kv("round_closed", round=plan.round, reason=reason, reported=outcome.reported, cohort=len(plan.cohort))
+        )
+        return outcome
+
+    def _fold(self, fed: Federation, op: OpenRound) -> set[tuple[str, str]]:
+        """Fold the round's stored updates into ``fed``; the (client id, update id) of each folded."""
+        shared, plan = self.shared, op.plan
+        decoded = self.decoded.of(plan.round)
+        folded: set[tuple[str, str]] = set()
+        with Session(shared.reader) as s, s.begin():
+            members = {
+                cid: (client_key(number), float(tier))
+                for cid, number, tier in s.execute(
+                    select(store.Client.id, store.Client.number, store.Client.tier).where(
+                        store.Client.id.in_(list(op.ids.values()))
+                    )
+                ).all()
+            }
+            if hasattr(fed.strategy, "num_clients_total"):  # SCAFFOLD's N: clients enrolled now
+                fed.strategy.num_clients_total = max(1, store.count_clients(s, shared.fed_row, include_revoked=False))
+            fed.begin(plan)
+            for header, tensors, deltas in store.iter_round_updates(s, shared.fed_row, plan.round, decoded):
+                folded.add((header.client_id, header.update_id))
+                key, tier = members[header.client_id]
+                fed.fold(
+                    ClientUpdate(
+                        client_id=key,
+                        num_samples=header.num_samples,
+                        tier=tier,
+                        spec=fed.tier_spec(tier),
+                        tensors={n: torch.from_numpy(a) for n, a in tensors.items()},
+                        control_delta=None if deltas is None else {n: torch.from_numpy(a) for n, a in deltas.items()},
+                        metrics=dict(header.metrics or {}),
+                    )
+                )
+        return folded
+
+    def _round_metrics(self, fed: Federation, outcome: RoundOutcome) -> dict[str, Any]:
+        weights = {n: v for n, v in outcome.result.dispersion.items() if fed.spec.tensor(n).role != "buffer"}
+        metrics: dict[str, Any] = {
+            "dispersion": _finite_or_none(total_dispersion(weights)),
+            "latent_clients": outcome.latent_clients,
+            "fedavg_equivalent_bytes": fedavg_equivalent_bytes(fed.spec, len(outcome.cohort)),
+            "extra": {
+                "effective_dispersion": _finite_dict(outcome.result.effective_dispersion),
+                "client_metrics": _finite_dict(outcome.result.metrics),
+                "reported": outcome.reported,
+                "cohort": len(outcome.cohort),
+            },
+        }
+        if self._eval_data is not None:
+            from fedcore.training import evaluate
+
+            model = fed.spec.build()
+            model.load_state_dict(fed.global_tensors)
+            result = evaluate(model, self._eval_data, device="cpu")
+            metrics["test_accuracy"], metrics["test_loss"] = result.accuracy, _finite_or_none(result.loss)
+        return metrics
+
+    def tick(self, now: datetime | None = None) -> None:
+        """Deadlines: close with the quorum, else extend once, else abandon (the next GetTask resamples)."""
+        shared = self.shared
+        now = now or shared.clock()
+        with shared.lock:
+            reason = self._due(now)
+            op = shared.open
+            if reason is None or op is None:
+                return
+            op.closing = True
+        self.close(op, reason)
+
+    def _due(self, now: datetime) -> str | None:
+        """Why the open round must close now, if it must; extends or abandons it otherwise (under the lock)."""
+        shared = self.shared
+        shared.refresh_state()
+        op = shared.open
+        if op is None or op.closing or shared.state != "running":
+            return None
+        if op.reported.issuperset(op.plan.cohort):
+            return "cohort_complete"  # an earlier close attempt failed: try again
+        if now < op.deadline:
+            return None
+        r, needed = op.plan.round, self._quorum(len(op.plan.cohort))
+        if len(op.reported) >= needed:
+            return "deadline_quorum"
+        deadline = now + timedelta(seconds=shared.settings.deadline_seconds)
+        with shared.factory.begin() as s:
+            # A push commits before it re-takes the lock to count itself (group commit): read who
+            # reported from the store, in the transaction that would extend or abandon the round,
+            # so an acknowledged update is never abandoned with a quorum that was in fact met.
+            store.lock_round(s, shared.fed_row, r)
+            keys = {cid: key for key, cid in op.ids.items()}
+            op.reported.update(keys[c] for c in store.reported_clients(s, shared.fed_row, r) if c in keys)
+            met = len(op.reported) >= needed
+            if not met and not op.extended:
+                store.extend_round(s, shared.fed_row, r, deadline)
+            elif not met:
+                store.abandon_round(s, shared.fed_row, r, now=now)
+        if met:
+            return "deadline_quorum"
+        if not op.extended:
+            op.deadline, op.extended = deadline, True
+            log.warning(kv("round_extended", round=r, reported=len(op.reported), needed=needed))
+        else:
+            shared.open = None
+            self.decoded.forget()
+            shared.federation.cohort = ()
+            log.warning(kv("round_abandoned", round=r, reported=len(op.reported), needed=needed))
+        return None
+
+    def _quorum(self, cohort_size: int) -> int:
+        return max(1, math.ceil(self.shared.settings.quorum * cohort_size - 1e-9))
+
+
+def _copy(fed: Federation) -> Federation:
+    """An engine to fold into while the live one goes on answering; the spec is immutable and shared."""
+    return copy.deepcopy(fed, {id(fed.spec): fed.spec})
+
+
+def _stored(s: Session, fed: store.Federation, round_: int) -> set[tuple[str, str]]:
+    """(client id, update id) of the round's stored updates."""
+    rows = s.execute(
+        select(store.Update.client_id, store.Update.update_id).where(
+            store.Update.federation_id == fed.id, store.Update.round == round_
+        )
+    ).all()
+    return {(cid, uid) for cid, uid in rows}
+
+
+def _tensor_metrics(fed: Federation, outcome: RoundOutcome) -> list[dict[str, Any]]:
+    rows = []
+    for t in fed.spec.tensors:
+        row: dict[str, Any] = {
+            "name": t.name,
+            "role": t.role,
+            "interval": outcome.intervals[t.name],
+            "version": fed.versions[t.name],
+        }
+        for key, source in (("d_l", outcome.discrepancy), ("dispersion", outcome.result.dispersion)):
+            value = source.get(t.name)
+            if value is not None and math.isfinite(value):
+                row[key] = value
+        rows.append(row)
+    return rows
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _finite_dict(values: Mapping[str, float]) -> dict[str, float]:
+    return {k: float(v) for k, v in values.items() if math.isfinite(v)}

@@ -1,0 +1,145 @@
+"""The byte ledger: bytes each transfer moved, counted in memory and written a few statements at a time.
+
+A fetch or a push so costs no statements of its own for bandwidth. Counts are written with a
+round's close (its metrics sum its transfers) or by the ticker's next flush; a SIGKILL loses at
+most the counts since the last flush, never an update (updates are committed before the ack).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from aggregator_service import store
+from aggregator_service.errors import InvalidArgument
+
+from .answers import ClientInfo
+from .registry import write_touches
+from .shared import Shared
+
+__all__ = ["Counts", "Ledger"]
+
+TransferKey = tuple[int, str, str]  # (round, client id, direction)
+Counts = Mapping[TransferKey, tuple[int, dict[str, int]]]
+UploadKey = tuple[int, str, str]  # (round, client id, update id)
+
+
+class Ledger:
+    """Transfer counts not written yet; its one lock guards them and the uploads between write and count."""
+
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+        self._lock = threading.Lock()
+        # bytes moved since the last write: (round, client id, direction) → (bytes, bytes per full-rank tensor)
+        self._counts: dict[TransferKey, tuple[int, dict[str, int]]] = {}
+        # pushes between their write and their count: a close that folds one of them counts it
+        self._uploading: dict[UploadKey, tuple[ClientInfo, int, Mapping[str, int]]] = {}
+
+    def download_round(self, requested: int | None) -> int:
+        """The round a fetch's bytes count toward: ``requested`` (validated), else the open round, else the last."""
+        shared = self.shared
+        with shared.lock:
+            current = shared.current_round()
+        if requested is None:
+            return current
+        if requested > current:  # rare: a round abandoned since the client's task still counts
+            with shared.reader.connect() as conn:
+                last = conn.execute(
+                    select(func.max(store.Round.number)).where(store.Round.federation_id == shared.fed_row.id)
+                ).scalar()
+            current = max(current, int(last or 0))
+        if not 1 <= requested <= current:
+            raise InvalidArgument(
+                f"FetchRequest.round {requested} is not a round of this federation yet (current round: {current})"
+            )
+        return requested
+
+    def record_download(
+        self, client: ClientInfo, nbytes: int, per_tensor: Mapping[str, int] | None = None, round_: int | None = None
+    ) -> None:
+        """Count bytes sent to ``client`` toward ``round_`` (see :meth:`download_round`), per full-rank tensor too."""
+        self.count(client, "down", self.download_round(None) if round_ is None else round_, nbytes, per_tensor)
+
+    def count(
+        self, client: ClientInfo, direction: str, round_: int, nbytes: int, per_tensor: Mapping[str, int] | None
+    ) -> None:
+        """Count moved bytes in memory, toward the full-rank tensors they belong to."""
+        if nbytes <= 0 or round_ < 1:
+            return
+        per = self._owners(client.tier, per_tensor or {})
+        key = (round_, client.id, direction)
+        with self._lock:
+            total, tensors = self._counts.get(key, (0, {}))
+            for name, b in per.items():
+                tensors[name] = tensors.get(name, 0) + b
+            self._counts[key] = (total + nbytes, tensors)
+
+    def uploading(self, key: UploadKey, client: ClientInfo, nbytes: int, per_tensor: Mapping[str, int]) -> None:
+        """An upload about to be written: counted by its push after the commit, or by a close that folds it first."""
+        with self._lock:
+            self._uploading[key] = (client, nbytes, per_tensor)
+
+    def uploaded(self, key: UploadKey) -> bool:
+        """Whether the upload is still the push's to count (no close counted it)."""
+        with self._lock:
+            return self._uploading.pop(key, None) is not None
+
+    def count_folded(self, round_: int, folded: set[tuple[str, str]]) -> None:
+        """Count the uploads a close folds whose pushes have not counted them yet.
+
+        A push counts its bytes after its commit; a deadline can close the round in between. The
+        close then counts them itself, so the round's ``bytes_up`` has every update it aggregated.
+        """
+        with self._lock:
+            taken = [self._uploading.pop(k) for k in list(self._uploading) if k[0] == round_ and k[1:] in folded]
+        for client, size, per_tensor in taken:
+            self.count(client, "up", round_, size, per_tensor)
+
+    def write(self, s: Session) -> Counts:
+        """Write the counted transfers in ``s``; returns them, for :meth:`unwrite` after a rollback."""
+        with self._lock:
+            drained, self._counts = self._counts, {}
+        try:
+            store.record_transfers(
+                s, self.shared.fed_row, ((r, cid, d, n, per) for (r, cid, d), (n, per) in sorted(drained.items()))
+            )
+        except BaseException:
+            self.unwrite(drained)
+            raise
+        return drained
+
+    def unwrite(self, drained: Counts) -> None:
+        """Count again what a rolled-back transaction had written."""
+        with self._lock:
+            for key, (nbytes, tensors) in drained.items():
+                total, now = self._counts.get(key, (0, {}))
+                for name, b in tensors.items():
+                    now[name] = now.get(name, 0) + b
+                self._counts[key] = (total + nbytes, now)
+
+    def flush(self, touches: Mapping[str, datetime]) -> None:
+        """Write counted transfers and the deferred last-seen ``touches`` now, in one transaction."""
+        with self._lock:
+            if not self._counts and not touches:
+                return
+        drained: Counts = {}
+        try:
+            with self.shared.factory.begin() as s:
+                drained = self.write(s)
+                write_touches(s, touches)
+        except Exception:
+            self.unwrite(drained)
+            raise
+
+    def _owners(self, tier: float, per_tensor: Mapping[str, int]) -> dict[str, int]:
+        """Tier tensors' bytes counted toward the full-rank tensor each belongs to (a factor pair: what it rebuilds)."""
+        owner = self.shared.federation.tier_spec(tier).owners
+        out: dict[str, int] = {}
+        for name, nbytes in per_tensor.items():
+            full = owner.get(name, name)
+            out[full] = out.get(full, 0) + nbytes
+        return out

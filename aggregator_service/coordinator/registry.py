@@ -1,0 +1,149 @@
+"""Registration and tokens: who may enroll, who a bearer token is, and when each client was last seen.
+
+Last-seen refreshes are written behind, batched: each write is a commit, and a commit is an
+fsync on SQLite, so a thousand polling clients refreshed one by one would queue on the write
+lock. The ledger's flush writes what is pending (:meth:`Registry.drain_touches`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+
+from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from aggregator_service import store
+from aggregator_service.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated
+from aggregator_service.logfmt import kv
+from aggregator_service.token_lookup import TokenLookup
+from fedcore.keys import client_key
+from fedcore.tiers import CapabilityProfile, NoTierFitsError, assign_tier
+
+from .answers import ClientInfo, Registration
+from .shared import Shared
+
+__all__ = ["Registry", "write_touches"]
+
+log = logging.getLogger("fedatoms.aggregator")
+
+
+class Registry:
+    """Enrollment, authentication and last-seen batching; its one lock guards the pending refreshes."""
+
+    # a deferred refresh waits at most this long for others to share its commit
+    TOUCH_BATCH = timedelta(seconds=1)
+
+    def __init__(self, shared: Shared) -> None:
+        self.shared = shared
+        self._lookup_token = TokenLookup(shared.factory.kw["bind"])
+        self._accepted_secrets: set[str] = set()
+        self._touched: dict[str, datetime] = {}
+        self.touch_every = timedelta(seconds=min(5.0, shared.settings.heartbeat_timeout_seconds / 4))
+        self._lock = threading.Lock()
+        self._pending: dict[str, datetime] = {}  # client id → last seen, not yet written
+        self._pending_since: datetime | None = None
+
+    def register(
+        self, profile: CapabilityProfile, secret: str, name: str | None = None, cert_sha256: str | None = None
+    ) -> Registration:
+        """Enroll a device: check the enrollment secret, assign the largest tier that fits, store it.
+
+        ``cert_sha256`` (mutual TLS): the client certificate the token will be honoured with.
+        """
+        shared, config = self.shared, self.shared.config
+        self._check_secret(secret)
+        try:
+            tier = assign_tier(profile, config.spec, tuple(config.tiers))
+        except NoTierFitsError as exc:
+            raise FailedPrecondition(f"no tier of this federation fits the device: {exc}") from exc
+        except ValueError as exc:
+            raise InvalidArgument(f"{exc} (tiers offered: {', '.join(f'{t:g}' for t in config.tiers)})") from exc
+        for attempt in range(5):  # another replica may take the same registration number: retry
+            try:
+                with shared.lock, shared.factory.begin() as s:
+                    client, token = store.register_client(
+                        s, shared.fed_row, profile.to_dict(), tier, name, cert_sha256=cert_sha256
+                    )
+                break
+            except IntegrityError:
+                if attempt == 4:
+                    raise
+        log.info(kv("client_registered", client=client.id, name=client.name, tier=tier))
+        return Registration(client.id, token, tier, shared.federation.tier_spec(tier).to_json())
+
+    def _check_secret(self, secret: str) -> None:
+        digest = hashlib.sha256(secret.encode()).hexdigest()
+        if digest in self._accepted_secrets:
+            return
+        if not store.check_enrollment_secret(self.shared.fed_row, secret):
+            log.warning(kv("register_refused", reason="wrong_enrollment_secret"))
+            raise Unauthenticated(
+                "wrong enrollment secret: ask the operator of this federation for its current enrollment secret"
+            )
+        self._accepted_secrets.add(digest)  # PBKDF2 is slow on purpose: verify each secret once per process
+
+    def authenticate(self, token: str, cert_sha256: str | None = None) -> ClientInfo:
+        """The client holding ``token``; refreshes its last-seen time (at most every few seconds).
+
+        Every call reads the database (no cached tokens), so a revocation by any process (the
+        dashboard, ``fedatoms aggregator revoke``) refuses the very next call. Under mutual TLS
+        (``cert_sha256`` given), a token bound to a certificate is honoured only with that certificate:
+        a stolen token alone does not make another enrolled device that client.
+        """
+        if not token:
+            raise Unauthenticated("missing bearer token: send metadata 'authorization: Bearer <token from Register>'")
+        now = self.shared.clock()
+        row = self._lookup_token(store.hash_token(token))
+        if row is None or row.federation_id != self.shared.fed_row.id:
+            raise Unauthenticated("unknown token: register again to get a new client id and token")
+        if row.revoked_at is not None:
+            raise Unauthenticated(f"token revoked for client {row.id}: the operator removed this client")
+        if cert_sha256 is not None and row.cert_sha256 is not None and row.cert_sha256 != cert_sha256:
+            raise PermissionDenied(
+                f"the token of client {row.id} is bound to the client certificate it registered with "
+                f"(sha256 {row.cert_sha256[:16]}…); this connection presents another (sha256 {cert_sha256[:16]}…)"
+            )
+        due = self._touch(row.id, row.last_seen, now)
+        if due:
+            with self.shared.factory.begin() as s:
+                write_touches(s, due)
+        return ClientInfo(row.id, float(row.tier), row.name, client_key(row.number))
+
+    def _touch(self, client_id: str, last_seen: datetime, now: datetime) -> dict[str, datetime] | None:
+        """Refresh a client's last-seen time (at most every ``touch_every``): the refreshes due now, or None.
+
+        A refresh is only deferred while the stored time is well inside the heartbeat timeout
+        (younger than half of it), so the database never shows an active client as offline;
+        deferred refreshes are written together, by the first due refresh that finds the oldest
+        one ``TOUCH_BATCH`` old (or that must be written at once).
+        """
+        last = self._touched.get(client_id)
+        if last is not None and now - last < self.touch_every:
+            return None
+        self._touched[client_id] = now
+        fresh = now - last_seen < timedelta(seconds=self.shared.settings.heartbeat_timeout_seconds / 2)
+        with self._lock:
+            self._pending[client_id] = now
+            since = self._pending_since = self._pending_since or now
+            if fresh and now - since < self.TOUCH_BATCH:
+                return None
+            return self._drain()
+
+    def drain_touches(self) -> dict[str, datetime]:
+        """The deferred refreshes, handed to whoever writes them next."""
+        with self._lock:
+            return self._drain()
+
+    def _drain(self) -> dict[str, datetime]:
+        pending, self._pending, self._pending_since = self._pending, {}, None
+        return pending
+
+
+def write_touches(s: Session, touches: Mapping[str, datetime]) -> None:
+    if touches:
+        s.execute(update(store.Client), [{"id": cid, "last_seen": t} for cid, t in touches.items()])

@@ -1,0 +1,140 @@
+"""Rebuilding the in-memory federation from the store: at start, and whenever memory may disagree with it.
+
+A restarted aggregator continues the open round where it stood; a failed close, or a round
+another process changed, is followed by a reload, so memory never runs ahead of what committed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+from torch import Tensor
+
+from aggregator_service import store
+from aggregator_service.logfmt import kv
+from aggregator_service.rounds import Federation, RoundPlan
+
+from .shared import OpenRound, Shared, client_keys
+
+__all__ = ["load", "split_strategy_state"]
+
+log = logging.getLogger("fedatoms.aggregator")
+
+# Keys of the federation config an operator may change between restarts (everything else defines the run).
+_MUTABLE_CONFIG_KEYS = frozenset({"rounds"})
+_STATE_TENSOR_KEY = "controls"  # the strategy-state entry holding tensors (SCAFFOLD's server control)
+
+
+def load(shared: Shared) -> None:
+    """(Re)build the in-memory federation from the database; create it on first start."""
+    for forget in shared.on_reload:
+        forget()
+    settings = shared.settings
+    with shared.lock, shared.factory.begin() as s:
+        row = store.get_federation(s, settings.federation_name)
+        created = row is None
+        if row is None:
+            row = store.create_federation(
+                s,
+                settings.federation_name,
+                _config_json(shared),
+                settings.enrollment_secret,
+                iterations=shared.iterations,
+            )
+        else:
+            _check_config(shared, row.config)
+        total = store.count_clients(s, row, include_revoked=False)
+        fed = shared.config.build_federation(num_clients_total=max(1, total))
+        if created:
+            intervals = fed.policy.intervals()
+            store.save_global_tensors(s, row, {n: (t, 0, intervals[n]) for n, t in fed.global_tensors.items()})
+            json_state, tensors = split_strategy_state(fed.strategy.state_dict())
+            store.save_strategy_tensors(s, row, tensors)
+            store.save_engine_state(s, row, json_state, fed.policy.state_dict(), 0)
+        else:
+            _restore(s, row, fed)
+        shared.fed_row, shared.federation = row, fed
+        shared.state = row.state
+        shared.open = _load_open_round(s, row, fed)
+        shared.settle()
+    log.info(
+        kv(
+            "federation_loaded",
+            name=settings.federation_name,
+            created=created,
+            round=shared.federation.round,
+            open_round=shared.open.plan.round if shared.open else None,
+            state=shared.state,
+        )
+    )
+
+
+def split_strategy_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The strategy's state as JSON, and its tensors (stored as blobs)."""
+    tensors = dict(state.get(_STATE_TENSOR_KEY, {}))
+    return {k: v for k, v in state.items() if k != _STATE_TENSOR_KEY}, tensors
+
+
+def _config_json(shared: Shared) -> dict[str, Any]:
+    return json.loads(json.dumps(shared.config.to_dict()))
+
+
+def _check_config(shared: Shared, stored: Mapping[str, Any]) -> None:
+    current = _config_json(shared)
+    differ = sorted(
+        k for k in set(stored) | set(current) if k not in _MUTABLE_CONFIG_KEYS and stored.get(k) != current.get(k)
+    )
+    if differ:
+        settings = shared.settings
+        detail = ", ".join(f"{k}: stored {stored.get(k)!r}, configured {current.get(k)!r}" for k in differ[:6])
+        raise ValueError(
+            f"federation {settings.federation_name!r} in {settings.database_url} was created with a "
+            f"different method ({detail}). Use the original [federation] settings, or a new federation_name "
+            "to start another federation in the same database"
+        )
+
+
+def _restore(s: Session, row: store.Federation, fed: Federation) -> None:
+    loaded = store.load_global_tensors(s, row)
+    missing = set(fed.spec.names) - set(loaded)
+    if missing:
+        raise ValueError(f"the database lacks global tensors {sorted(missing)[:5]}; was it written by another model?")
+    for name in fed.spec.names:
+        array, version, _interval = loaded[name]
+        fed.global_tensors[name] = torch.from_numpy(array)
+        fed.versions[name] = version
+    if row.policy_state:
+        fed.policy.load_state_dict(row.policy_state)
+    strategy_state = dict(row.strategy_state or {})
+    controls = store.load_strategy_tensors(s, row)
+    if controls:
+        strategy_state[_STATE_TENSOR_KEY] = {n: torch.from_numpy(a) for n, a in controls.items()}
+    if strategy_state:
+        fed.strategy.load_state_dict(strategy_state)
+    last_closed = s.scalar(
+        select(func.max(store.Round.number)).where(store.Round.federation_id == row.id, store.Round.state == "closed")
+    )
+    fed.round = int(last_closed or 0)
+    latest = s.scalar(
+        select(store.Round).where(store.Round.federation_id == row.id).order_by(store.Round.number.desc()).limit(1)
+    )
+    # a kept cohort continues after a restart; an abandoned round's cohort is resampled
+    kept = latest is not None and latest.state != "abandoned"
+    fed.cohort = tuple(sorted(client_keys(s, latest.cohort).values())) if kept and latest is not None else ()
+
+
+def _load_open_round(s: Session, row: store.Federation, fed: Federation) -> OpenRound | None:
+    rnd = store.get_open_round(s, row)
+    if rnd is None:
+        return None
+    keys = client_keys(s, rnd.cohort)
+    plan = RoundPlan(rnd.number, tuple(sorted(keys.values())), tuple(rnd.due), bool(rnd.continue_unsynced))
+    fed.cohort = plan.cohort
+    reported = {keys[c] for c in store.reported_clients(s, row, rnd.number) if c in keys}
+    return OpenRound(plan, rnd.deadline, bool(rnd.extended), {k: i for i, k in keys.items()}, reported)

@@ -1,0 +1,117 @@
+"""What every room reads: the federation engine, its open round and its state, under one lock.
+
+That lock is the one GetTask, Heartbeat, Fetch and Push take, so nothing heavy runs under it:
+a close computes on a copy of the engine and swaps the result in (see :mod:`.closing`). While
+a close is in flight its round is marked ``closing``; callers whose answer depends on how the
+close ends wait for it in :meth:`Shared.settled`, and get the answer they would have got had
+the close run under the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from aggregator_service import store
+from aggregator_service.config import AggregatorSettings
+from aggregator_service.group_commit import GroupCommit
+from aggregator_service.rounds import Federation, RoundPlan
+from fedcore.keys import client_key, client_number
+
+__all__ = ["OpenRound", "Shared", "client_ids", "client_keys"]
+
+
+@dataclass
+class OpenRound:
+    plan: RoundPlan  # cohort as engine keys
+    deadline: datetime
+    extended: bool
+    ids: dict[str, str]  # engine key → client id, for the cohort
+    reported: set[str] = field(default_factory=set)  # engine keys
+    closing: bool = False  # a close is computing this round: its outcome is not decided yet
+
+
+class Shared:
+    """The federation's in-memory state, its store handles, and the lock that guards the state."""
+
+    fed_row: store.Federation
+    federation: Federation
+
+    def __init__(
+        self,
+        settings: AggregatorSettings,
+        factory: sessionmaker[Session],
+        clock: Callable[[], datetime],
+        enrollment_iterations: int,
+    ) -> None:
+        self.settings = settings
+        self.config = settings.federation
+        self.clock = clock
+        self.factory = factory
+        self.reader = _reader_for(factory)
+        self.writes = GroupCommit(factory)  # pushes and evaluation reports: one commit per batch
+        self.iterations = enrollment_iterations
+        self.lock = threading.RLock()
+        self._settled = threading.Condition(self.lock)
+        self.open: OpenRound | None = None
+        self.state = "running"
+        self.on_reload: list[Callable[[], None]] = []  # what must forget the open round when it is reloaded
+
+    @contextmanager
+    def settled(self) -> Iterator[None]:
+        """The lock, once no close is in flight: for answers that depend on whether the round closed."""
+        with self.lock:
+            while self.open is not None and self.open.closing:
+                self._settled.wait()
+            yield
+
+    def settle(self) -> None:
+        """Wake the callers waiting in :meth:`settled` (the caller holds the lock)."""
+        self._settled.notify_all()
+
+    def current_round(self) -> int:
+        """The open round, else the last closed (the caller holds the lock)."""
+        return self.open.plan.round if self.open else self.federation.round
+
+    def refresh_state(self) -> None:
+        """Follow the state another process (the dashboard) may have written."""
+        with self.factory.begin() as s:
+            state = s.scalar(select(store.Federation.state).where(store.Federation.id == self.fed_row.id))
+        if state is not None:
+            self.state = state
+
+
+def client_keys(s: Session, ids: Any) -> dict[str, str]:
+    """Client id → engine key, for the given ids."""
+    rows = s.execute(select(store.Client.id, store.Client.number).where(store.Client.id.in_(list(ids)))).all()
+    return {cid: client_key(number) for cid, number in rows}
+
+
+def client_ids(s: Session, fed: store.Federation, keys: Any) -> list[str]:
+    """Engine key → client id, in the order given."""
+    numbers = [client_number(k) for k in keys]
+    found = dict(
+        s.execute(
+            select(store.Client.number, store.Client.id).where(
+                store.Client.federation_id == fed.id, store.Client.number.in_(numbers)
+            )
+        ).all()
+    )
+    return [found[n] for n in numbers]
+
+
+def _reader_for(factory: sessionmaker[Session]) -> Engine:
+    """An engine for reads that take no lock: on a SQLite file, one that begins DEFERRED (WAL readers
+    never wait for the writer); elsewhere the writer's own engine."""
+    bind = factory.kw["bind"]
+    if bind.dialect.name != "sqlite" or bind.url.database in (None, "", ":memory:"):
+        return bind
+    return store.create_engine_for(bind.url, sqlite_begin="DEFERRED")
