@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from fedatoms.cli.simulate import print_summary, progress_printer
+from fedatoms.cli.simulate import print_comparison, print_summary, progress_printer
 
 __all__ = ["add_parser"]
 
@@ -62,8 +63,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
             dashboard[1]()
     write_results(results, out_dir / "demo-results.json")
     print_summary(results)
-    plot = plot_runs([out_dir / "demo-results.json"], out_dir / "demo.png")
-    print(f"\nper-round JSON: {out_dir / 'demo-results.json'}\nplots:          {plot}")
+    # plain FedAvg on the same split and seed, in process: the curve the atoms federation is judged against
+    baseline = replace(
+        config,
+        factorization="none",
+        interval_policy="every_round",
+        tiers=[1.0],
+        personal_atoms=False,
+        personal_epochs=None,
+        transport="inprocess",
+        output=str(out_dir / "demo-fedavg.json"),
+    )
+    print(f"\nplain FedAvg on the same split and seed ({baseline.rounds} rounds, in process):")
+    fedavg = run_simulation(baseline, progress=progress_printer(baseline.rounds))
+    write_results(fedavg, out_dir / "demo-fedavg.json")
+    print_comparison(results, fedavg)
+    plot = plot_runs([out_dir / "demo-results.json", out_dir / "demo-fedavg.json"], out_dir / "demo.png")
+    print(f"\nper-round JSON: {out_dir / 'demo-results.json'}, {out_dir / 'demo-fedavg.json'}\nplots:          {plot}")
     if args.transport == "grpc":
         print(f"database:       {url}")
         print(f"dashboard:      .venv/bin/fedatoms dashboard serve --database-url {url}")

@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_parser", "print_summary", "progress_printer"]
+__all__ = ["add_parser", "print_comparison", "print_summary", "progress_printer"]
 
 
 def _tiers(text: str) -> list[float]:
@@ -119,7 +119,10 @@ def print_summary(results: dict[str, Any]) -> None:
     s = results["summary"]
     c = results["config"]
     print(f"\n{c['model']} / {c['factorization']} / {c['interval_policy']} on {c['dataset']}: {s['rounds']} rounds")
-    print(f"  global test accuracy   {s['final_test_accuracy']:.4f} (best {s['best_test_accuracy']:.4f})")
+    print(
+        f"  global test accuracy   {s['mean_test_accuracy_last5']:.4f} mean of the last {min(5, s['rounds'])} rounds "
+        f"(final {s['final_test_accuracy']:.4f}, best {s['best_test_accuracy']:.4f})"
+    )
     if s.get("final_local_accuracy") is not None:
         print(f"  global model on clients' local tests {s['final_local_accuracy']:.4f}")
     if "final_personalized_accuracy" in s and s["final_personalized_accuracy"] is not None:
@@ -130,6 +133,17 @@ def print_summary(results: dict[str, Any]) -> None:
         f"{s['fedavg_equivalent_bytes'] / 1e6:.2f} MB ({ratio:.3f}×)"
     )
     print(f"  wall time              {s['wall_seconds']:.1f} s")
+
+
+def print_comparison(results: dict[str, Any], fedavg: dict[str, Any]) -> None:
+    """Two runs of one split and seed side by side: accuracy over the last rounds, and bytes moved."""
+    ours, base = results["summary"], fedavg["summary"]
+    label = f"{results['config']['factorization']} / {results['config']['interval_policy']}"
+    print(f"\n{'':28}{label:>28}{'plain FedAvg':>16}")
+    accuracy = ours["mean_test_accuracy_last5"], base["mean_test_accuracy_last5"]
+    print(f"{'mean test acc., last 5':28}{accuracy[0]:>28.4f}{accuracy[1]:>16.4f}")
+    print(f"{'bytes moved':28}{ours['bytes_total'] / 1e6:>25.2f} MB{base['bytes_total'] / 1e6:>13.2f} MB")
+    print(f"{'vs FedAvg-equivalent':28}{ours['bytes_ratio_vs_fedavg']:>27.3f}×{base['bytes_ratio_vs_fedavg']:>15.3f}×")
 
 
 def _grpc_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -122,8 +122,9 @@ def test_accuracy_rises_and_bytes_stay_below_fedavg(runs) -> None:
 
 
 def test_personal_atoms_beat_the_global_model_on_local_tests(runs) -> None:
-    last = runs["grpc"]["rounds"][-1]
-    assert last["personalized_accuracy"] > last["local_accuracy"]
+    # one round's local accuracies swing by several points on 2-class shards: compare over the rounds after the first
+    gains = [r["personalized_accuracy"] - r["local_accuracy"] for r in runs["grpc"]["rounds"][1:]]
+    assert sum(gains) / len(gains) > 0.01, gains
     # and the personal atoms live on the device, not on the server
     state_file = runs["state"] / client_key(3) / "state.safetensors"
     assert any(k.startswith("personal/") for k in load_file(str(state_file)))
