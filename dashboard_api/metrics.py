@@ -38,7 +38,7 @@ _INFO_KEYS = ("model", "factorization", "strategy", "interval_policy")
 
 
 class FederationCollector(Collector):
-    """One federation's rounds, clients, bandwidth, accuracy and dispersion, read at scrape time."""
+    """One federation's rounds, clients, bandwidth, accuracy and client spread, read at scrape time."""
 
     def __init__(
         self, factory: sessionmaker[Session], federation_name: str, online_since: Callable[[], datetime]
@@ -114,7 +114,11 @@ def _families(snap: dict) -> Iterator[Metric]:
     for key, name, doc in (
         ("test_accuracy", "fedatoms_global_test_accuracy", "Server-side test accuracy of the latest global model"),
         ("test_loss", "fedatoms_global_test_loss", "Server-side test loss of the latest global model"),
-        ("dispersion", "fedatoms_dispersion", "Total dispersion Σ p_k ‖x_k − u‖² of the last closed round"),
+        (
+            "dispersion",
+            "fedatoms_dispersion",
+            "Client spread (within round) Σ_k p_k ‖x_k − u‖² over tensors, last closed round",
+        ),
     ):
         latest = snap[key]
         yield from _gauge(name, doc, None if latest is None else latest[1])
@@ -134,7 +138,9 @@ def _families(snap: dict) -> Iterator[Metric]:
     per_tensor = {
         "d_l": GaugeMetricFamily("fedatoms_tensor_discrepancy", "FedLAMA's d_l per tensor", labels=["tensor", "role"]),
         "dispersion": GaugeMetricFamily(
-            "fedatoms_tensor_dispersion", "Dispersion per tensor", labels=["tensor", "role"]
+            "fedatoms_tensor_dispersion",
+            "Client spread (within round) Σ_k p_k ‖x_k − u‖² per tensor",
+            labels=["tensor", "role"],
         ),
         "interval": GaugeMetricFamily("fedatoms_tensor_interval", "Interval τ_l in force", labels=["tensor", "role"]),
     }

@@ -78,7 +78,10 @@ class RoundOut(BaseModel):
     mean_client_accuracy: float | None = Field(description="clients' evaluations of the global model, weighted")
     personalized_accuracy: float | None = Field(description="clients' personalized models (local atoms), weighted")
     evaluations: int = Field(description="clients that reported an evaluation of this round")
-    dispersion: float | None = Field(description="Σ over tensors of Σ_k p_k ‖x_k − u‖²")
+    dispersion: float | None = Field(
+        description="client spread (within round): Σ over tensors of Σ_k p_k ‖x_k − u‖², how far the cohort's "
+        "models lie from their aggregate; not the variance of the aggregated model across trainings (Prop. 5.1)"
+    )
     latent_clients: int | None = Field(description="m² − m latent clients of the atom × coefficient product")
     bytes_down: int | None
     bytes_up: int | None
@@ -90,7 +93,9 @@ class RoundDetail(RoundOut):
     due: list[str] = Field(description="tensors due (aggregated) this round")
     continue_unsynced: bool
     extended: bool
-    effective_dispersion: dict[str, float] = Field(description="per atom layer: dispersion of α_k × D_k")
+    effective_dispersion: dict[str, float] = Field(
+        description="per atom layer: client spread (within round) of the filters, Σ_k p_k ‖α_k × D_k − ᾱ × D̄‖²"
+    )
     client_metrics: dict[str, float] = Field(description="training metrics the cohort reported, weighted")
 
 
@@ -100,7 +105,7 @@ class TensorRoundOut(BaseModel):
     role: str | None
     interval: int = Field(description="τ_l in force")
     d_l: float | None = Field(description="FedLAMA's layer-wise unit discrepancy")
-    dispersion: float | None
+    dispersion: float | None = Field(description="client spread (within round): Σ_k p_k ‖x_k − u‖² of this tensor")
     bytes_down: int
     bytes_up: int
     version: int | None
@@ -170,7 +175,7 @@ class IntervalPoint(BaseModel):
     round: int
     interval: int
     d_l: float | None
-    dispersion: float | None
+    dispersion: float | None = Field(description="client spread (within round): Σ_k p_k ‖x_k − u‖² of this tensor")
 
 
 class TensorIntervals(BaseModel):

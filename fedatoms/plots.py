@@ -1,7 +1,7 @@
 """`fedatoms plot`: one figure comparing simulation runs, because curves read better than tables.
 
 Panels: global (and personalized) test accuracy per round, cumulative bytes against the
-FedAvg-equivalent, total dispersion, and the per-tensor aggregation intervals of the first run.
+FedAvg-equivalent, the clients' spread within each round, and the per-tensor aggregation intervals of the first run.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def plot_runs(paths: Sequence[str | Path], output: str | Path) -> Path:
         ax_disp.plot(rounds, [r["dispersion"] for r in res["rounds"]], color=line.get_color(), label=label)
     ax_acc.set(title="test accuracy", xlabel="round", ylabel="accuracy", ylim=(0, 1))
     ax_bytes.set(title="cumulative bytes (down + up)", xlabel="round", ylabel="MB")
-    ax_disp.set(title="total dispersion Σ p_k‖x_k − u‖² (aggregated tensors)", xlabel="round", yscale="log")
+    ax_disp.set(title="client spread (within round) Σ p_k‖x_k − u‖² (aggregated tensors)", xlabel="round", yscale="log")
     for ax in (ax_acc, ax_bytes, ax_disp):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -195,8 +195,8 @@
       { label: "clients, personalized", values: closed.map((r) => r.personalized_accuracy) },
     ], { y: { range: [0, 1] }, yLabel: "accuracy", value: (u, v) => pct(v) });
     plot("dispersion", "chart-dispersion", x, [
-      { label: "total dispersion", values: closed.map((r) => positive(r.dispersion)) },
-    ], { y: { distr: 3 }, yLabel: "dispersion", yValues: logTicks, value: (u, v) => num(v) });
+      { label: "client spread (within round)", values: closed.map((r) => positive(r.dispersion)) },
+    ], { y: { distr: 3 }, yLabel: "client spread", yValues: logTicks, value: (u, v) => num(v) });
   }
 
   function sortedTensors() {

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from fedatoms.cli import aggregator, client, db, demo, simulate
+from fedatoms.cli import aggregator, analyze, client, db, demo, simulate
 
 __all__ = ["build_parser", "main"]
 
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     simulate.add_parser(sub)
     demo.add_parser(sub)
+    analyze.add_parser(sub)
     aggregator.add_parser(sub)
     db.add_parser(sub)
     client.add_parser(sub)

@@ -57,7 +57,9 @@ def test_page_plots_the_rounds_without_console_errors(
             assert accuracy["clients, personalized"] == pytest.approx(
                 [rounds[n]["personalized_accuracy"] for n in closed]
             )
-            assert series["dispersion"]["total dispersion"] == pytest.approx([rounds[n]["dispersion"] for n in closed])
+            assert series["dispersion"]["client spread (within round)"] == pytest.approx(
+                [rounds[n]["dispersion"] for n in closed]
+            )
             tensors = [t["name"] for t in api.get("/intervals").json()["tensors"]]
             for key in ("heatmap", "dl", "intervals"):
                 assert series[key]["x"] == closed and set(series[key]) == {"x", *tensors}, key
