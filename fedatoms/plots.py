@@ -55,9 +55,12 @@ def plot_runs(paths: Sequence[str | Path], output: str | Path) -> Path:
     ax_acc.set(title="test accuracy", xlabel="round", ylabel="accuracy", ylim=(0, 1))
     ax_bytes.set(title="cumulative bytes (down + up)", xlabel="round", ylabel="MB")
     ax_disp.set(title="client spread (within round) Σ p_k‖x_k − u‖² (aggregated tensors)", xlabel="round", yscale="log")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (ax_acc, ax_bytes, ax_disp):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
 
     first_path, first = runs[0]
     names = list(first["rounds"][0]["tensors"])
