@@ -373,6 +373,9 @@ def build_server(
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # gRPC Python binds with SO_REUSEPORT by default: a second aggregator on the same port would start
+            # and silently take half the clients; the port is this server's alone
+            ("grpc.so_reuseport", 0),
         ],
     )
     _add_servicer(AggregatorServicer(coordinator, settings), server)
