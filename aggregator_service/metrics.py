@@ -21,6 +21,8 @@ from fedcore.layers import reconstruct_filter
 from fedcore.spec import ModelSpec
 
 __all__ = [
+    "CATEGORIES",
+    "CATEGORY_DIRECTION",
     "DIRECTIONS",
     "BandwidthLedger",
     "Transfer",
@@ -28,11 +30,25 @@ __all__ = [
     "effective_dispersion",
     "effective_filters",
     "fedavg_equivalent_bytes",
+    "fedavg_transfer_bytes",
     "latent_clients",
     "total_dispersion",
 ]
 
 DIRECTIONS = ("down", "up")
+#: What a transfer was for: a fetch to train on, a fetch of a closed round's model to evaluate, a push.
+CATEGORIES = ("train_fetch", "eval_fetch", "push")
+CATEGORY_DIRECTION = {"train_fetch": "down", "eval_fetch": "down", "push": "up"}
+#: A bare direction, as older callers name it, stands for the category it always meant.
+DIRECTION_CATEGORY = {"down": "train_fetch", "up": "push"}
+
+
+def category_of(kind: str) -> str:
+    """``kind`` as a category: a category itself, or ``"down"``/``"up"`` (a training fetch / a push)."""
+    category = DIRECTION_CATEGORY.get(kind, kind)
+    if category not in CATEGORIES:
+        raise ValueError(f"direction (category) must be one of {', '.join(CATEGORIES)}, down, up; got {kind!r}")
+    return category
 
 
 # --------------------------------------------------------------------------- variance
@@ -104,13 +120,14 @@ def effective_dispersion(
 
 @dataclass(frozen=True)
 class Transfer:
-    """Bytes of one tensor moved between the server and one client in one round."""
+    """Bytes of one tensor moved between the server and one client in one round, for one category."""
 
     round: int
     client_id: str
     direction: str
     tensor: str
     nbytes: int
+    category: str = ""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -118,23 +135,31 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class BandwidthLedger:
-    """Bytes per (round, client, direction, tensor), with totals along any of those axes.
+    """Bytes per (round, client, category, tensor), and transfers per (round, client, category).
 
     Bytes are what :mod:`fedcore.codec` encodes (``encoded_size``: elements × item size, 2
     bytes per float with ``fp16``); chunk headers and gRPC framing are not counted. A
     tensor recorded twice in a round (a retried fetch) counts twice: it did travel twice.
+    :meth:`transfer` counts one transfer (a fetch that moved a tensor, or a push); each
+    counts :func:`fedavg_transfer_bytes` in the FedAvg-equivalent (``fedavg_bytes``).
     """
 
-    def __init__(self, fp16: bool = False) -> None:
+    def __init__(self, fp16: bool = False, fedavg_bytes: int = 0) -> None:
         self.fp16 = fp16
+        self.fedavg_bytes = fedavg_bytes
         self._bytes: dict[tuple[int, str, str, str], int] = defaultdict(int)
+        self._transfers: dict[tuple[int, str, str], int] = defaultdict(int)
 
     def record(self, round_: int, client_id: str, direction: str, tensor: str, nbytes: int) -> None:
-        if direction not in DIRECTIONS:
-            raise ValueError(f"direction must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
+        """Count ``nbytes`` of ``tensor``; ``direction`` is a category (``"down"``/``"up"``: training fetch/push)."""
+        category = category_of(direction)
         if nbytes < 0:
             raise ValueError(f"nbytes must be ≥ 0, got {nbytes}")
-        self._bytes[(round_, client_id, direction, tensor)] += int(nbytes)
+        self._bytes[(round_, client_id, category, tensor)] += int(nbytes)
+
+    def transfer(self, round_: int, client_id: str, category: str) -> None:
+        """Count one transfer of ``category`` (call it once per fetch that moved a tensor, once per push)."""
+        self._transfers[(round_, client_id, category_of(category))] += 1
 
     def record_tensors(
         self, round_: int, client_id: str, direction: str, tensors: Mapping[str, Tensor], fp16: bool | None = None
@@ -149,8 +174,8 @@ class BandwidthLedger:
         return total
 
     def records(self) -> Iterator[Transfer]:
-        for (round_, client, direction, tensor), nbytes in self._bytes.items():
-            yield Transfer(round_, client, direction, tensor, nbytes)
+        for (round_, client, category, tensor), nbytes in self._bytes.items():
+            yield Transfer(round_, client, CATEGORY_DIRECTION[category], tensor, nbytes, category)
 
     def total(
         self,
@@ -159,22 +184,33 @@ class BandwidthLedger:
         client_id: str | None = None,
         direction: str | None = None,
         tensor: str | None = None,
+        category: str | None = None,
     ) -> int:
         """Bytes matching every given filter (all bytes when none is given)."""
         return sum(
             b
-            for (r, c, d, t), b in self._bytes.items()
+            for (r, c, k, t), b in self._bytes.items()
             if (round_ is None or r == round_)
             and (client_id is None or c == client_id)
-            and (direction is None or d == direction)
+            and (direction is None or CATEGORY_DIRECTION[k] == direction)
+            and (category is None or k == category)
             and (tensor is None or t == tensor)
         )
+
+    def fedavg_equivalent(self, *, round_: int | None = None, category: str | None = None) -> int:
+        """What plain FedAvg moves for the counted transfers: :func:`fedavg_equivalent_bytes` of their number."""
+        n = sum(
+            count
+            for (r, _, k), count in self._transfers.items()
+            if (round_ is None or r == round_) and (category is None or k == category)
+        )
+        return n * self.fedavg_bytes
 
     def _by(self, axis: int, round_: int | None) -> dict:
         out: dict = defaultdict(lambda: dict.fromkeys(DIRECTIONS, 0))
         for key, b in self._bytes.items():
             if round_ is None or key[0] == round_:
-                out[key[axis]][key[2]] += b
+                out[key[axis]][CATEGORY_DIRECTION[key[2]]] += b
         return {k: dict(v) for k, v in sorted(out.items())}
 
     def per_round(self) -> dict[int, dict[str, int]]:
@@ -200,15 +236,28 @@ class BandwidthLedger:
         return out
 
 
-def fedavg_equivalent_bytes(spec: ModelSpec, participants: int) -> int:
-    """Bytes plain FedAvg on the unfactorized model moves in one round with ``participants`` clients.
+def fedavg_transfer_bytes(spec: ModelSpec) -> int:
+    """Payload bytes of one plain-FedAvg transfer: the whole unfactorized model, at full precision.
 
-    Every participant downloads and uploads the whole ``state_dict`` of
-    ``ModelSpec(spec.model, spec.num_classes, "none")`` (buffers included) in its own dtype
-    (fp32 weights, int64 counters), without fp16: ``2 × participants × model bytes``.
+    The ``state_dict`` of ``ModelSpec(spec.model, spec.num_classes, "none")`` (buffers included,
+    each in its own dtype: fp32 weights, int64 counters), without fp16, counted as
+    :mod:`fedcore.codec` counts payload (elements × item size; no chunk headers or framing).
+    Plain FedAvg changes every tensor at every close, so each of its fetches after a close
+    moves all of it, and each push does too.
     """
-    if participants < 0:
-        raise ValueError(f"participants must be ≥ 0, got {participants}")
     plain = ModelSpec(spec.model, spec.num_classes, "none")
-    model_bytes = sum(encoded_size(t.shape, t.dtype) for t in plain.tensors)
-    return 2 * participants * model_bytes
+    return sum(encoded_size(t.shape, t.dtype) for t in plain.tensors)
+
+
+def fedavg_equivalent_bytes(spec: ModelSpec, transfers: int = 1) -> int:
+    """The FedAvg-equivalent of ``transfers`` transfers: ``transfers × fedavg_transfer_bytes(spec)``.
+
+    The one rule both the service's ledger and the in-process simulator apply: every transfer
+    that happened (a fetch that moved at least one tensor — training or evaluation — or a
+    push) counts what plain FedAvg moves in its place, the whole unfactorized fp32 model. For
+    plain FedAvg itself every such transfer moves exactly that, so its ratio is 1.000; a fetch
+    that moves nothing counts nothing on either side.
+    """
+    if transfers < 0:
+        raise ValueError(f"transfers must be ≥ 0, got {transfers}")
+    return transfers * fedavg_transfer_bytes(spec)

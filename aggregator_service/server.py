@@ -185,6 +185,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             client = self._client(context)
             held = {v.name: v.version for v in request.held}
             round_ = self.coordinator.download_round(request.round if request.HasField("round") else None)
+            category = "eval_fetch" if request.purpose == pb.FETCH_PURPOSE_EVALUATE else "train_fetch"
             model, control = self.coordinator.fetch(client, held, request.include_server_control)
         except Exception as exc:
             if _is_abort(exc):
@@ -206,7 +207,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         finally:
             total = sum(sent.values())
             try:
-                self.coordinator.record_download(client, total, sent, round_)
+                self.coordinator.record_download(client, total, sent, round_, category)
             except Exception:
                 log.exception(kv("record_download_failed", client=client.id, bytes=total))
 

@@ -332,7 +332,7 @@ class Agent:
     def _fetch_model_of(self, closed: int) -> None:
         s, spec = self.state, self.spec
         assert s is not None and spec is not None and self.test_data is not None
-        fetched = self.client.fetch(spec, s.versions, round_=closed)
+        fetched = self.client.fetch(spec, s.versions, round_=closed, evaluate=True)
         s.receive(fetched.model)
         self._model_round = closed
 

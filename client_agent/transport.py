@@ -239,14 +239,18 @@ class AggregatorClient:
         *,
         round_: int | None = None,
         include_server_control: bool = False,
+        evaluate: bool = False,
     ) -> Fetched:
-        """Tensors newer than ``held``, checked against the tier's spec (and upcast from fp16 transport)."""
+        """Tensors newer than ``held``, checked against the tier's spec (and upcast from fp16 transport).
+
+        ``evaluate``: a closed round's model fetched to evaluate it (counted as an evaluation fetch)."""
         expected = {t.name: (tuple(t.shape), t.dtype) for t in spec.tensors}
         request = pb.FetchRequest(held=[pb.TensorVersion(name=n, version=v) for n, v in held.items()])
         if round_ is not None:
             request.round = round_
         if include_server_control:
             request.include_server_control = True
+        request.purpose = pb.FETCH_PURPOSE_EVALUATE if evaluate else pb.FETCH_PURPOSE_TRAIN
 
         def once() -> Fetched:
             model, control = codec.Reassembler(), codec.Reassembler()

@@ -105,8 +105,17 @@ def _families(snap: dict) -> Iterator[Metric]:
         c = CounterMetricFamily(f"fedatoms_bytes_{direction}", f"Payload bytes moved {direction}, all clients")
         c.add_metric([], snap[f"bytes_{direction}"])
         yield c
+    by_category = CounterMetricFamily(
+        "fedatoms_transfer_bytes",
+        "Payload bytes moved, all clients, by category (train_fetch, eval_fetch: down; push: up)",
+        labels=["category"],
+    )
+    for category in ("train_fetch", "eval_fetch", "push"):
+        by_category.add_metric([category], snap[f"bytes_{category}"])
+    yield by_category
     fedavg = CounterMetricFamily(
-        "fedatoms_fedavg_equivalent_bytes", "Bytes plain FedAvg would have moved for the same closed rounds and cohorts"
+        "fedatoms_fedavg_equivalent_bytes",
+        "Bytes plain FedAvg would have moved for the same transfers: the whole fp32 plain model per transfer",
     )
     fedavg.add_metric([], snap["fedavg_equivalent_bytes"])
     yield fedavg

@@ -288,39 +288,74 @@ def client_detail(
 # --------------------------------------------------------------------------- bandwidth
 
 
+def _transfer_sums(fed_id: int) -> Any:
+    """Per round, from the ``transfers`` table alone: bytes down/up, per category, and the FedAvg-equivalent."""
+    t = store.Transfer
+
+    def of(*conds: Any) -> Any:
+        return func.coalesce(func.sum(case((and_(*conds), t.bytes), else_=0)), 0)
+
+    return (
+        select(
+            t.round.label("round"),
+            of(t.direction == "down").label("bytes_down"),
+            of(t.direction == "up").label("bytes_up"),
+            of(t.category == "train_fetch").label("bytes_train_fetch"),
+            of(t.category == "eval_fetch").label("bytes_eval_fetch"),
+            of(t.category == "push").label("bytes_push"),
+            func.coalesce(func.sum(t.fedavg_equivalent_bytes), 0).label("fedavg_equivalent_bytes"),
+        )
+        .where(t.federation_id == fed_id)
+        .group_by(t.round)
+        .subquery()
+    )
+
+
+BANDWIDTH_COLUMNS = (
+    "bytes_down",
+    "bytes_up",
+    "bytes_train_fetch",
+    "bytes_eval_fetch",
+    "bytes_push",
+    "fedavg_equivalent_bytes",
+)
+
+
+def bandwidth_totals(session: Session, fed_id: int) -> dict[str, int]:
+    """Every byte the federation moved, by direction and category, and its FedAvg-equivalent (``transfers``)."""
+    per_round = _transfer_sums(fed_id)
+    sums = session.execute(select(*(func.sum(per_round.c[k]) for k in BANDWIDTH_COLUMNS))).one()
+    return {k: int(v or 0) for k, v in zip(BANDWIDTH_COLUMNS, sums, strict=True)}
+
+
 def bandwidth(
     session: Session, fed_id: int, offset: int, limit: int, after: int | None
 ) -> tuple[dict[str, Any], int, list[dict[str, Any]]]:
-    """Closed rounds' bytes with running totals (a window over all rounds, then paged), and the grand totals."""
+    """Rounds' bytes with running totals (a window over all rounds, then paged), and the grand totals.
+
+    Everything comes from the ``transfers`` table, the one ledger: a round's evaluation fetches
+    (made after its close) count toward it, and an open round shows what it moved so far.
+    """
+    per_round = _transfer_sums(fed_id)
+    c = per_round.c
+    running = select(
+        c.round,
+        *(c[k] for k in BANDWIDTH_COLUMNS),
+        func.sum(c.bytes_down).over(order_by=c.round).label("cumulative_bytes_down"),
+        func.sum(c.bytes_up).over(order_by=c.round).label("cumulative_bytes_up"),
+        func.sum(c.fedavg_equivalent_bytes).over(order_by=c.round).label("cumulative_fedavg_equivalent_bytes"),
+    ).subquery()
+    newer = [running.c.round > after] if after is not None else []
+    total = int(session.scalar(select(func.count()).select_from(running).where(*newer)) or 0)
+    rows = _rows(session.execute(select(running).where(*newer).order_by(running.c.round).offset(offset).limit(limit)))
+    sums = bandwidth_totals(session, fed_id)
     m = store.RoundMetrics
-    down, up, fedavg = (func.coalesce(col, 0) for col in (m.bytes_down, m.bytes_up, m.fedavg_equivalent_bytes))
-    running = (
-        select(
-            m.round.label("round"),
-            down.label("bytes_down"),
-            up.label("bytes_up"),
-            fedavg.label("fedavg_equivalent_bytes"),
-            func.sum(down).over(order_by=m.round).label("cumulative_bytes_down"),
-            func.sum(up).over(order_by=m.round).label("cumulative_bytes_up"),
-            func.sum(fedavg).over(order_by=m.round).label("cumulative_fedavg_equivalent_bytes"),
-        )
-        .where(m.federation_id == fed_id)
-        .subquery()
-    )
-    newer = [m.round > after] if after is not None else []
-    total = int(session.scalar(select(func.count()).select_from(m).where(m.federation_id == fed_id, *newer)) or 0)
-    page = select(running).where(*([running.c.round > after] if after is not None else []))
-    rows = _rows(session.execute(page.order_by(running.c.round).offset(offset).limit(limit)))
-    sums = session.execute(
-        select(func.count(), func.sum(down), func.sum(up), func.sum(fedavg)).where(m.federation_id == fed_id)
-    ).one()
-    n, d, u, f = (int(v or 0) for v in sums)
+    n = int(session.scalar(select(func.count()).select_from(m).where(m.federation_id == fed_id)) or 0)
+    d, u, f = sums["bytes_down"], sums["bytes_up"], sums["fedavg_equivalent_bytes"]
     moved = d + u
     totals = {
         "rounds": n,
-        "bytes_down": d,
-        "bytes_up": u,
-        "fedavg_equivalent_bytes": f,
+        **sums,
         "saving_ratio": f / moved if moved else None,
         "saved_fraction": 1.0 - moved / f if f else None,
     }
@@ -407,13 +442,12 @@ def metrics_snapshot(
         select(
             func.count(),
             func.max(m.round),
-            func.coalesce(func.sum(m.fedavg_equivalent_bytes), 0),
             func.count(duration),
             func.coalesce(func.sum(duration), 0.0),
             *(func.count().filter(duration <= b) for b in buckets),
         ).where(m.federation_id == fed.id)
     ).one()
-    n_closed, last_closed, fedavg, n_durations, duration_sum = closed[:5]
+    n_closed, last_closed, n_durations, duration_sum = closed[:4]
     all_rounds = int(session.scalar(select(func.count()).select_from(r).where(r.federation_id == fed.id)) or 0)
     open_round = session.scalar(select(r.number).where(r.federation_id == fed.id, r.state == "open"))
     last_eval = session.scalar(select(e.round).where(e.federation_id == fed.id).order_by(e.round.desc()).limit(1))
@@ -441,10 +475,8 @@ def metrics_snapshot(
         "clients": clients,
         "duration_count": int(n_durations),
         "duration_sum": float(duration_sum or 0.0),
-        "duration_buckets": [(b, int(n)) for b, n in zip(buckets, closed[5:], strict=True)],
-        "bytes_down": clients["bytes_down"],
-        "bytes_up": clients["bytes_up"],
-        "fedavg_equivalent_bytes": int(fedavg or 0),
+        "duration_buckets": [(b, int(n)) for b, n in zip(buckets, closed[4:], strict=True)],
+        **bandwidth_totals(session, fed.id),  # the one ledger: the same sums as /api/v1/bandwidth
         "test_accuracy": _latest(session, fed.id, m.test_accuracy),
         "test_loss": _latest(session, fed.id, m.test_loss),
         "dispersion": _latest(session, fed.id, m.dispersion),

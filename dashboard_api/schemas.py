@@ -151,6 +151,9 @@ class BandwidthRound(BaseModel):
     round: int
     bytes_down: int
     bytes_up: int
+    bytes_train_fetch: int = Field(0, description="of bytes_down: fetches to train on")
+    bytes_eval_fetch: int = Field(0, description="of bytes_down: fetches of a closed round's model to evaluate")
+    bytes_push: int = Field(0, description="= bytes_up: pushed updates")
     fedavg_equivalent_bytes: int
     cumulative_bytes_down: int
     cumulative_bytes_up: int
@@ -161,6 +164,9 @@ class BandwidthTotals(BaseModel):
     rounds: int
     bytes_down: int
     bytes_up: int
+    bytes_train_fetch: int = Field(0, description="of bytes_down: fetches to train on")
+    bytes_eval_fetch: int = Field(0, description="of bytes_down: fetches of a closed round's model to evaluate")
+    bytes_push: int = Field(0, description="= bytes_up: pushed updates")
     fedavg_equivalent_bytes: int
     saving_ratio: float | None = Field(description="FedAvg-equivalent bytes ÷ bytes moved (2.0: half the traffic)")
     saved_fraction: float | None = Field(description="1 − bytes moved ÷ FedAvg-equivalent bytes")

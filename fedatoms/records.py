@@ -11,10 +11,13 @@ import math
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
-__all__ = ["TOTALS", "accumulate", "mean_or_none", "summarize"]
+__all__ = ["CATEGORY_TOTALS", "TOTALS", "accumulate", "mean_or_none", "summarize"]
 
+#: Bytes per transfer category (:data:`aggregator_service.metrics.CATEGORIES`): ``bytes_down`` is
+#: ``bytes_train_fetch + bytes_eval_fetch``, ``bytes_up`` is ``bytes_push``.
+CATEGORY_TOTALS = ("bytes_train_fetch", "bytes_eval_fetch", "bytes_push")
 #: The per-round counts that a record also carries as ``cumulative_<key>`` over the run.
-TOTALS = ("bytes_up", "bytes_down", "fedavg_equivalent_bytes")
+TOTALS = ("bytes_up", "bytes_down", "fedavg_equivalent_bytes", *CATEGORY_TOTALS)
 
 
 def mean_or_none(values: list[float]) -> float | None:
@@ -43,6 +46,7 @@ def summarize(records: list[dict[str, Any]], totals: Mapping[str, int], seconds:
         "bytes_up": totals["bytes_up"],
         "bytes_down": totals["bytes_down"],
         "bytes_total": moved,
+        **{key: totals[key] for key in CATEGORY_TOTALS},
         "fedavg_equivalent_bytes": totals["fedavg_equivalent_bytes"],
         "bytes_ratio_vs_fedavg": moved / totals["fedavg_equivalent_bytes"]
         if totals["fedavg_equivalent_bytes"]

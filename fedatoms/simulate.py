@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from aggregator_service.config import FederationConfig
-from aggregator_service.metrics import DIRECTIONS, BandwidthLedger, fedavg_equivalent_bytes, total_dispersion
+from aggregator_service.metrics import CATEGORIES, DIRECTIONS, BandwidthLedger, fedavg_transfer_bytes, total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome
 from aggregator_service.updates import ClientUpdate
 from client_agent.pool import Population, VirtualClient
@@ -145,19 +145,21 @@ def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: di
     clients = config.population().clients(train, test)
     by_id = {c.client_id: c for c in clients}
     train_config = config.train_config(device=config.device)
-    fedavg_bytes_per_client = fedavg_equivalent_bytes(config.spec, 1)
+    fedavg_bytes = fedavg_transfer_bytes(config.spec)  # each transfer's FedAvg-equivalent
     records: list[dict[str, Any]] = []
     totals = dict.fromkeys(TOTALS, 0)
     for r in range(1, config.rounds + 1):
         t0 = time.perf_counter()
         plan = federation.plan(r, list(by_id))
         federation.begin(plan)
-        ledger = BandwidthLedger(fp16=config.fp16)  # one round's: its record reads it, then it is dropped
+        # one round's: its record reads it, then it is dropped
+        ledger = BandwidthLedger(fp16=config.fp16, fedavg_bytes=fedavg_bytes)
         control = federation.strategy.client_config()
         server_control = federation.strategy.server_control() if control.get("scaffold") else None
         for cid in plan.cohort:  # fixed fold order: sorted client ids
             vc = by_id[cid]
-            tier_spec, owner = _fetch(federation, vc, ledger, r)
+            moved = ledger.total(round_=r, client_id=cid, category="train_fetch")
+            tier_spec, owner = _fetch(federation, vc, ledger, r, "train_fetch")
             task = TrainTask(
                 round=r,
                 due=federation.tier_due(vc.state.tier, plan.due),
@@ -165,9 +167,13 @@ def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: di
                 continue_unsynced=plan.continue_unsynced,
                 seed=derive_seed(config.seed, r, cid),
                 strategy=control,
-                server_control=None if server_control is None else _send(server_control, ledger, r, cid, "down", owner),
+                server_control=None
+                if server_control is None
+                else _send(server_control, ledger, r, cid, "train_fetch", owner),
                 local=federation.local_tier_tensors(vc.state.tier),
             )
+            if ledger.total(round_=r, client_id=cid, category="train_fetch") > moved:  # model and control: one fetch
+                ledger.transfer(r, cid, "train_fetch")
             push = run_task(vc.state, tier_spec, task, vc.train, personal_atoms=config.personal_atoms)
             delta = push.control_delta
             federation.fold(
@@ -176,20 +182,25 @@ def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: di
                     num_samples=push.num_samples,
                     tier=vc.state.tier,
                     spec=tier_spec,
-                    tensors=_send(push.tensors, ledger, r, cid, "up", owner),
-                    control_delta=None if delta is None else _send(delta, ledger, r, cid, "up", owner),
+                    tensors=_send(push.tensors, ledger, r, cid, "push", owner),
+                    control_delta=None if delta is None else _send(delta, ledger, r, cid, "push", owner),
                     metrics=push.metrics,
                 )
             )
+            if ledger.total(round_=r, client_id=cid, category="push"):
+                ledger.transfer(r, cid, "push")
         outcome = federation.close()
-        # as an agent does once the round closed: fetch the new model (bytes count toward this round), evaluate it
+        # as an agent does once the round closed: fetch the new model (bytes count toward this round, as an
+        # evaluation fetch), evaluate it; the next round trains on it without fetching again
         evaluations = []
         for cid in plan.cohort:
             vc = by_id[cid]
-            tier_spec, _ = _fetch(federation, vc, ledger, r)
+            tier_spec, _ = _fetch(federation, vc, ledger, r, "eval_fetch")
+            if ledger.total(round_=r, client_id=cid, category="eval_fetch"):
+                ledger.transfer(r, cid, "eval_fetch")
             evaluations.append(evaluate_client(vc.state, tier_spec, vc.test))
         record = _round_record(config, federation, outcome, test, evaluations, ledger)
-        record["fedavg_equivalent_bytes"] = fedavg_bytes_per_client * len(plan.cohort)
+        record["fedavg_equivalent_bytes"] = ledger.fedavg_equivalent(round_=r)
         record["wall_seconds"] = round(time.perf_counter() - t0, 4)
         accumulate(record, totals)
         records.append(record)
@@ -236,6 +247,7 @@ def _round_record(
         "local_accuracy": mean_or_none(local_acc),
         "bytes_up": ledger.total(round_=outcome.round, direction="up"),
         "bytes_down": ledger.total(round_=outcome.round, direction="down"),
+        **{f"bytes_{c}": ledger.total(round_=outcome.round, category=c) for c in CATEGORIES},
         # BN statistics (and step counters) would swamp the weights' dispersion: they are reported per tensor only
         "dispersion": total_dispersion(
             {n: v for n, v in outcome.result.dispersion.items() if federation.spec.tensor(n).role != "buffer"}
@@ -250,13 +262,13 @@ def _round_record(
 
 
 def _fetch(
-    federation: Federation, vc: VirtualClient, ledger: BandwidthLedger, round_: int
+    federation: Federation, vc: VirtualClient, ledger: BandwidthLedger, round_: int, category: str
 ) -> tuple[ModelSpec, dict[str, str]]:
     """FetchModel, in process: the tensors newer than the client holds go through the codec into its state."""
     tier_spec = federation.tier_spec(vc.state.tier)
     owner = tier_spec.owners
     fetched = federation.fetch(vc.state.tier, vc.state.versions)
-    received = _send({n: t for n, (t, _) in fetched.items()}, ledger, round_, vc.client_id, "down", owner)
+    received = _send({n: t for n, (t, _) in fetched.items()}, ledger, round_, vc.client_id, category, owner)
     vc.state.receive({n: (received[n], v) for n, (_, v) in fetched.items()})
     return tier_spec, owner
 
@@ -266,7 +278,7 @@ def _send(
     ledger: BandwidthLedger,
     round_: int,
     client_id: str,
-    direction: str,
+    category: str,
     owner: Mapping[str, str],
 ) -> dict[str, torch.Tensor]:
     """The in-process transport: every tensor goes through the wire codec, and its encoded bytes are
@@ -278,7 +290,7 @@ def _send(
         out[name] = torch.from_numpy(
             decode(name, encoded.dtype, encoded.shape, encoded.data, expected_shape=encoded.shape, expected_dtype=dtype)
         )
-        ledger.record(round_, client_id, direction, owner.get(name, name), encoded.nbytes)
+        ledger.record(round_, client_id, category, owner.get(name, name), encoded.nbytes)
     return out
 
 

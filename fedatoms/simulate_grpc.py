@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
 from client_agent.pool import register_all, run_grpc_pool
-from fedatoms.records import TOTALS, accumulate, mean_or_none, summarize
+from fedatoms.records import CATEGORY_TOTALS, TOTALS, accumulate, mean_or_none, summarize
 
 __all__ = ["federation_config", "records_from_store", "run_grpc_simulation"]
 
@@ -179,10 +179,10 @@ def records_from_store(url: str | Engine, federation_name: str = "default", afte
             moved = _transfers(s, fed.id)
             for rnd, m in rows:
                 n = rnd.number
+                bandwidth = moved.get(n, dict.fromkeys(TOTALS, 0))
                 if n <= after:
-                    totals["bytes_up"] += moved.get((n, "up"), 0)
-                    totals["bytes_down"] += moved.get((n, "down"), 0)
-                    totals["fedavg_equivalent_bytes"] += int(m.fedavg_equivalent_bytes or 0)
+                    for key in TOTALS:
+                        totals[key] += bandwidth[key]
                     continue
                 evals = s.execute(
                     select(store.Evaluation.global_accuracy, store.Evaluation.personalized_accuracy)
@@ -198,8 +198,9 @@ def records_from_store(url: str | Engine, federation_name: str = "default", afte
                     "test_accuracy": m.test_accuracy,
                     "test_loss": m.test_loss,
                     "local_accuracy": mean_or_none([g for g, _ in evals if g is not None]),
-                    "bytes_up": moved.get((n, "up"), 0),
-                    "bytes_down": moved.get((n, "down"), 0),
+                    "bytes_up": bandwidth["bytes_up"],
+                    "bytes_down": bandwidth["bytes_down"],
+                    **{key: bandwidth[key] for key in CATEGORY_TOTALS},
                     "dispersion": m.dispersion,
                     "effective_dispersion": dict(extra.get("effective_dispersion", {})),
                     "latent_clients": m.latent_clients,
@@ -207,7 +208,7 @@ def records_from_store(url: str | Engine, federation_name: str = "default", afte
                 }
                 if personal:
                     record["personalized_accuracy"] = mean_or_none([p for _, p in evals if p is not None])
-                record["fedavg_equivalent_bytes"] = int(m.fedavg_equivalent_bytes or 0)
+                record["fedavg_equivalent_bytes"] = bandwidth["fedavg_equivalent_bytes"]
                 record["wall_seconds"] = round(float(m.duration_seconds or 0.0), 4)
                 accumulate(record, totals)
                 records.append(record)
@@ -217,13 +218,21 @@ def records_from_store(url: str | Engine, federation_name: str = "default", afte
     return records
 
 
-def _transfers(s: Session, federation_id: int) -> dict[tuple[int, str], int]:
+def _transfers(s: Session, federation_id: int) -> dict[int, dict[str, int]]:
+    """Round → the record's bandwidth counts (:data:`TOTALS`), summed from the ``transfers`` table alone."""
+    t = store.Transfer
     rows = s.execute(
-        select(store.Transfer.round, store.Transfer.direction, func.sum(store.Transfer.bytes))
-        .where(store.Transfer.federation_id == federation_id)
-        .group_by(store.Transfer.round, store.Transfer.direction)
+        select(t.round, t.category, t.direction, func.sum(t.bytes), func.sum(t.fedavg_equivalent_bytes))
+        .where(t.federation_id == federation_id)
+        .group_by(t.round, t.category, t.direction)
     ).all()
-    return {(r, d): int(b or 0) for r, d, b in rows}
+    out: dict[int, dict[str, int]] = {}
+    for r, category, direction, nbytes, fedavg in rows:
+        counts = out.setdefault(r, dict.fromkeys(TOTALS, 0))
+        counts[f"bytes_{direction}"] += int(nbytes or 0)
+        counts[f"bytes_{category}"] += int(nbytes or 0)
+        counts["fedavg_equivalent_bytes"] += int(fedavg or 0)
+    return out
 
 
 def _tensors(s: Session, federation_id: int, round_: int, due: set[str]) -> dict[str, dict[str, Any]]:

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 from aggregator_service import store
 from aggregator_service.logfmt import kv
-from aggregator_service.metrics import fedavg_equivalent_bytes, total_dispersion
+from aggregator_service.metrics import total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome
 from aggregator_service.updates import ClientUpdate
 from fedcore.keys import client_key
@@ -161,7 +161,6 @@ class Closing:
         metrics: dict[str, Any] = {
             "dispersion": _finite_or_none(total_dispersion(weights)),
             "latent_clients": outcome.latent_clients,
-            "fedavg_equivalent_bytes": fedavg_equivalent_bytes(fed.spec, len(outcome.cohort)),
             "extra": {
                 "effective_dispersion": _finite_dict(outcome.result.effective_dispersion),
                 "client_metrics": _finite_dict(outcome.result.metrics),

@@ -1,5 +1,10 @@
 """The byte ledger: bytes each transfer moved, counted in memory and written a few statements at a time.
 
+Every byte the service moves is counted here, under its category (``train_fetch``,
+``eval_fetch``, ``push``: :data:`aggregator_service.metrics.CATEGORIES`), with the transfer's
+FedAvg-equivalent (:func:`aggregator_service.metrics.fedavg_equivalent_bytes`, the rule the
+in-process simulator applies too); the ``transfers`` table it writes is what every surface sums.
+
 A fetch or a push so costs no statements of its own for bandwidth. Counts are written with a
 round's close (its metrics sum its transfers) or by the ticker's next flush; a SIGKILL loses at
 most the counts since the last flush, never an update (updates are committed before the ack).
@@ -16,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from aggregator_service import store
 from aggregator_service.errors import InvalidArgument
+from aggregator_service.metrics import category_of, fedavg_equivalent_bytes
 
 from .answers import ClientInfo
 from .registry import write_touches
@@ -23,8 +29,8 @@ from .shared import Shared
 
 __all__ = ["Counts", "Ledger"]
 
-TransferKey = tuple[int, str, str]  # (round, client id, direction)
-Counts = Mapping[TransferKey, tuple[int, dict[str, int]]]
+TransferKey = tuple[int, str, str]  # (round, client id, category)
+Counts = Mapping[TransferKey, tuple[int, int, dict[str, int]]]  # → (bytes, transfers, bytes per full-rank tensor)
 UploadKey = tuple[int, str, str]  # (round, client id, update id)
 
 
@@ -34,8 +40,8 @@ class Ledger:
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
         self._lock = threading.Lock()
-        # bytes moved since the last write: (round, client id, direction) → (bytes, bytes per full-rank tensor)
-        self._counts: dict[TransferKey, tuple[int, dict[str, int]]] = {}
+        # moved since the last write: (round, client id, category) → (bytes, transfers, bytes per full-rank tensor)
+        self._counts: dict[TransferKey, tuple[int, int, dict[str, int]]] = {}
         # pushes between their write and their count: a close that folds one of them counts it
         self._uploading: dict[UploadKey, tuple[ClientInfo, int, Mapping[str, int]]] = {}
 
@@ -59,24 +65,31 @@ class Ledger:
         return requested
 
     def record_download(
-        self, client: ClientInfo, nbytes: int, per_tensor: Mapping[str, int] | None = None, round_: int | None = None
+        self,
+        client: ClientInfo,
+        nbytes: int,
+        per_tensor: Mapping[str, int] | None = None,
+        round_: int | None = None,
+        category: str = "train_fetch",
     ) -> None:
-        """Count bytes sent to ``client`` toward ``round_`` (see :meth:`download_round`), per full-rank tensor too."""
-        self.count(client, "down", self.download_round(None) if round_ is None else round_, nbytes, per_tensor)
+        """Count one fetch's bytes sent to ``client`` toward ``round_`` (see :meth:`download_round`), per
+        full-rank tensor too, under ``category`` (``train_fetch`` or ``eval_fetch``)."""
+        self.count(client, category, self.download_round(None) if round_ is None else round_, nbytes, per_tensor)
 
     def count(
-        self, client: ClientInfo, direction: str, round_: int, nbytes: int, per_tensor: Mapping[str, int] | None
+        self, client: ClientInfo, category: str, round_: int, nbytes: int, per_tensor: Mapping[str, int] | None
     ) -> None:
-        """Count moved bytes in memory, toward the full-rank tensors they belong to."""
+        """Count one transfer in memory (``category``, or ``"down"``/``"up"``), toward the full-rank tensors
+        its bytes belong to; a transfer that moved nothing is no transfer."""
         if nbytes <= 0 or round_ < 1:
             return
         per = self._owners(client.tier, per_tensor or {})
-        key = (round_, client.id, direction)
+        key = (round_, client.id, category_of(category))
         with self._lock:
-            total, tensors = self._counts.get(key, (0, {}))
+            total, transfers, tensors = self._counts.get(key, (0, 0, {}))
             for name, b in per.items():
                 tensors[name] = tensors.get(name, 0) + b
-            self._counts[key] = (total + nbytes, tensors)
+            self._counts[key] = (total + nbytes, transfers + 1, tensors)
 
     def uploading(self, key: UploadKey, client: ClientInfo, nbytes: int, per_tensor: Mapping[str, int]) -> None:
         """An upload about to be written: counted by its push after the commit, or by a close that folds it first."""
@@ -97,15 +110,21 @@ class Ledger:
         with self._lock:
             taken = [self._uploading.pop(k) for k in list(self._uploading) if k[0] == round_ and k[1:] in folded]
         for client, size, per_tensor in taken:
-            self.count(client, "up", round_, size, per_tensor)
+            self.count(client, "push", round_, size, per_tensor)
 
     def write(self, s: Session) -> Counts:
         """Write the counted transfers in ``s``; returns them, for :meth:`unwrite` after a rollback."""
         with self._lock:
             drained, self._counts = self._counts, {}
         try:
+            spec = self.shared.federation.spec
             store.record_transfers(
-                s, self.shared.fed_row, ((r, cid, d, n, per) for (r, cid, d), (n, per) in sorted(drained.items()))
+                s,
+                self.shared.fed_row,
+                (
+                    (r, cid, c, n, per, fedavg_equivalent_bytes(spec, k))
+                    for (r, cid, c), (n, k, per) in sorted(drained.items())
+                ),
             )
         except BaseException:
             self.unwrite(drained)
@@ -115,11 +134,11 @@ class Ledger:
     def unwrite(self, drained: Counts) -> None:
         """Count again what a rolled-back transaction had written."""
         with self._lock:
-            for key, (nbytes, tensors) in drained.items():
-                total, now = self._counts.get(key, (0, {}))
+            for key, (nbytes, transfers, tensors) in drained.items():
+                total, count, now = self._counts.get(key, (0, 0, {}))
                 for name, b in tensors.items():
                     now[name] = now.get(name, 0) + b
-                self._counts[key] = (total + nbytes, now)
+                self._counts[key] = (total + nbytes, count + transfers, now)
 
     def flush(self, touches: Mapping[str, datetime]) -> None:
         """Write counted transfers and the deferred last-seen ``touches`` now, in one transaction."""

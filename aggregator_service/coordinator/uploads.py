@@ -149,7 +149,7 @@ class Uploads:
         finally:
             uncounted = self.ledger.uploaded(upload)  # else a close counted it
         if not duplicate and uncounted:
-            self.ledger.count(client, "up", round_, size, tensor_bytes)
+            self.ledger.count(client, "push", round_, size, tensor_bytes)
         log.info(
             kv("update_stored", round=round_, client=client.id, duplicate=duplicate, tensors=len(model), bytes=size)
         )

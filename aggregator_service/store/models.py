@@ -53,6 +53,7 @@ __all__ = [
     "NAMING_CONVENTION",
     "ROUND_STATES",
     "TENSOR_KINDS",
+    "TRANSFER_CATEGORIES",
     "TRANSFER_DIRECTIONS",
     "Base",
     "Client",
@@ -75,6 +76,8 @@ FEDERATION_STATES = ("running", "paused", "done")
 ROUND_STATES = ("open", "closed", "abandoned")
 TENSOR_KINDS = ("model", "control_delta")
 TRANSFER_DIRECTIONS = ("down", "up")
+#: A transfer's category and its direction: a fetch to train, a fetch of a closed round's model to evaluate, a push.
+TRANSFER_CATEGORIES = {"train_fetch": "down", "eval_fetch": "down", "push": "up"}
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -374,21 +377,30 @@ class TensorMetric(Base):
 
 
 class Transfer(Base):
-    """Bytes moved per client, per direction, per round (summed when recorded twice)."""
+    """Bytes moved per client, per category, per round (summed when recorded twice): the one bandwidth ledger.
+
+    ``category`` is ``train_fetch``, ``eval_fetch`` or ``push`` (``direction`` follows from it:
+    down, down, up); ``fedavg_equivalent_bytes`` is what plain FedAvg moves for the same transfers
+    (:func:`aggregator_service.metrics.fedavg_equivalent_bytes`). Every surface sums this table.
+    """
 
     __tablename__ = "transfers"
     __table_args__ = (
         _round_fk(),
         CheckConstraint(_in("direction", TRANSFER_DIRECTIONS), name="direction"),
+        CheckConstraint(_in("category", tuple(TRANSFER_CATEGORIES)), name="category"),
         CheckConstraint("bytes >= 0", name="bytes"),
+        CheckConstraint("fedavg_equivalent_bytes >= 0", name="fedavg_equivalent_bytes"),
         Index(None, "federation_id", "client_id"),
     )
 
     federation_id: Mapped[int] = mapped_column(ForeignKey("federations.id", ondelete="CASCADE"), primary_key=True)
     round: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     client_id: Mapped[str] = mapped_column(ForeignKey("clients.id", ondelete="CASCADE"), primary_key=True)
-    direction: Mapped[str] = mapped_column(String(4), primary_key=True)
+    category: Mapped[str] = mapped_column(String(12), primary_key=True)
+    direction: Mapped[str] = mapped_column(String(4))
     bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    fedavg_equivalent_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
 
 
 class Evaluation(Base):

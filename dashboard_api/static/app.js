@@ -15,7 +15,7 @@
 
   const state = {
     rounds: new Map(), // number → round
-    bandwidth: [], // closed rounds, ascending
+    bandwidth: [], // rounds with transfers, ascending (the open one included)
     intervalRounds: [], // closed rounds covered by the interval histories
     tensors: new Map(), // name → {name, ordinal, role, interval, version, history: []}
     clientOffset: 0,
@@ -107,6 +107,8 @@
 
   async function fetchBandwidth() {
     let totals = null;
+    // the newest rounds may still grow (an open round's pushes, evaluation fetches after a close): fetched again
+    state.bandwidth.splice(Math.max(0, state.bandwidth.length - 2));
     for (;;) {
       const after = state.bandwidth.length ? state.bandwidth[state.bandwidth.length - 1].round : 0;
       const data = await get(`/bandwidth?after=${after}&limit=${PAGE}`);

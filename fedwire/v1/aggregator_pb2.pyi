@@ -13,10 +13,19 @@ class TensorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TENSOR_KIND_MODEL: _ClassVar[TensorKind]
     TENSOR_KIND_SERVER_CONTROL: _ClassVar[TensorKind]
     TENSOR_KIND_CONTROL_DELTA: _ClassVar[TensorKind]
+
+class FetchPurpose(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FETCH_PURPOSE_UNSPECIFIED: _ClassVar[FetchPurpose]
+    FETCH_PURPOSE_TRAIN: _ClassVar[FetchPurpose]
+    FETCH_PURPOSE_EVALUATE: _ClassVar[FetchPurpose]
 TENSOR_KIND_UNSPECIFIED: TensorKind
 TENSOR_KIND_MODEL: TensorKind
 TENSOR_KIND_SERVER_CONTROL: TensorKind
 TENSOR_KIND_CONTROL_DELTA: TensorKind
+FETCH_PURPOSE_UNSPECIFIED: FetchPurpose
+FETCH_PURPOSE_TRAIN: FetchPurpose
+FETCH_PURPOSE_EVALUATE: FetchPurpose
 
 class CapabilityProfile(_message.Message):
     __slots__ = ("device_name", "compute_macs", "memory_bytes", "uplink_bps", "downlink_bps", "num_samples", "preferred_tier")
@@ -160,14 +169,16 @@ class TensorVersion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("held", "include_server_control", "round")
+    __slots__ = ("held", "include_server_control", "round", "purpose")
     HELD_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_SERVER_CONTROL_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    PURPOSE_FIELD_NUMBER: _ClassVar[int]
     held: _containers.RepeatedCompositeFieldContainer[TensorVersion]
     include_server_control: bool
     round: int
-    def __init__(self, held: _Optional[_Iterable[_Union[TensorVersion, _Mapping]]] = ..., include_server_control: _Optional[bool] = ..., round: _Optional[int] = ...) -> None: ...
+    purpose: FetchPurpose
+    def __init__(self, held: _Optional[_Iterable[_Union[TensorVersion, _Mapping]]] = ..., include_server_control: _Optional[bool] = ..., round: _Optional[int] = ..., purpose: _Optional[_Union[FetchPurpose, str]] = ...) -> None: ...
 
 class PushMessage(_message.Message):
     __slots__ = ("header", "chunk", "chunks")

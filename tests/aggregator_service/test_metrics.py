@@ -19,6 +19,7 @@ from aggregator_service.metrics import (
     effective_dispersion,
     effective_filters,
     fedavg_equivalent_bytes,
+    fedavg_transfer_bytes,
     latent_clients,
     total_dispersion,
 )
@@ -217,7 +218,7 @@ def test_ledger_matches_encoded_bytes() -> None:
     assert cumulative[2]["down"] == ledger.total(direction="down")
     assert cumulative[1]["up"] == ledger.total(round_=1, direction="up")
     assert sum(t.nbytes for t in ledger.records()) == ledger.total()
-    assert Transfer(2, "c", "up", "extra", 1) in list(ledger.records())
+    assert Transfer(2, "c", "up", "extra", 1, "push") in list(ledger.records())
     with pytest.raises(ValueError, match="direction"):
         ledger.record(1, "a", "sideways", "x", 1)
     with pytest.raises(ValueError, match="nbytes"):
@@ -230,7 +231,8 @@ def test_fedavg_equivalent_bytes_for_digits_cnn() -> None:
     assert params == 151_306
     for factorization in ("none", "atoms-lowrank", "lowrank"):
         spec = ModelSpec("digits-cnn", 10, factorization, rank_ratio=0.25)
-        assert fedavg_equivalent_bytes(spec, 5) == 2 * 5 * params * 4
+        assert fedavg_equivalent_bytes(spec, 5) == 5 * params * 4  # five transfers of the plain fp32 model
+        assert fedavg_transfer_bytes(spec) == params * 4
     assert fedavg_equivalent_bytes(ModelSpec("digits-cnn", 10), 0) == 0
     with pytest.raises(ValueError):
         fedavg_equivalent_bytes(ModelSpec("digits-cnn", 10), -1)
@@ -242,7 +244,7 @@ def test_fedavg_equivalent_bytes_counts_buffers() -> None:
     int_bytes = sum(8 for t in plain.tensors if t.dtype == "int64")
     float_elems = sum(t.numel for t in plain.tensors if t.dtype == "float32")
     assert int_bytes > 0
-    assert fedavg_equivalent_bytes(spec, 1) == 2 * (4 * float_elems + int_bytes)
+    assert fedavg_equivalent_bytes(spec, 2) == 2 * (4 * float_elems + int_bytes)
 
 
 def test_atom_modules_needs_both_factors() -> None:

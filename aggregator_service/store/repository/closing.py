@@ -9,7 +9,16 @@ from typing import Any
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session
 
-from ..models import TRANSFER_DIRECTIONS, Client, Federation, Round, RoundMetrics, TensorMetric, Transfer
+from ..models import (
+    TRANSFER_CATEGORIES,
+    TRANSFER_DIRECTIONS,
+    Client,
+    Federation,
+    Round,
+    RoundMetrics,
+    TensorMetric,
+    Transfer,
+)
 from ._common import _attached, _count, _finite, _json, _now, _upsert
 from .rounds import _open, consume_round_updates, reported_clients
 from .tensors import SERVER_CONTROL, _set_intervals, save_global_tensors, save_strategy_tensors, tensor_versions
@@ -55,21 +64,31 @@ def record_transfer(
     direction: str,
     nbytes: int,
     per_tensor: Mapping[str, int] | None = None,
+    fedavg_equivalent_bytes: int = 0,
 ) -> None:
-    """Add ``nbytes`` to the client's transfer row for (round, direction) and to its lifetime counters.
+    """Add ``nbytes`` to the client's transfer row for (round, category) and to its lifetime counters.
+
+    ``direction`` is a category (``train_fetch``, ``eval_fetch``, ``push``) or a bare direction
+    (``down``: a training fetch, ``up``: a push); ``fedavg_equivalent_bytes`` is added to the row's.
 
     An atomic ``INSERT … ON CONFLICT DO UPDATE SET bytes = bytes + …``, so replicas serving
     fetches at the same time never lose an increment. Call it as bytes move (FetchModel,
     PushUpdate), or pass the round's totals to :func:`close_round`. ``per_tensor`` (full-rank
     tensor name → bytes) is added to the round's ``tensor_metrics`` rows the same way.
     """
-    record_transfers(session, fed, [(round, client_id, direction, nbytes, per_tensor or {})])
+    record_transfers(session, fed, [(round, client_id, direction, nbytes, per_tensor or {}, fedavg_equivalent_bytes)])
 
 
-def record_transfers(
-    session: Session, fed: Federation, transfers: Iterable[tuple[int, str, str, int, Mapping[str, int]]]
-) -> None:
-    """:func:`record_transfer` for many ``(round, client id, direction, bytes, per_tensor)`` at once.
+def transfer_category(kind: str) -> str:
+    """A category of :data:`TRANSFER_CATEGORIES`, or a bare direction: ``down`` → ``train_fetch``, ``up`` → ``push``."""
+    category = {"down": "train_fetch", "up": "push"}.get(kind, kind)
+    if category not in TRANSFER_CATEGORIES:
+        raise ValueError(f"direction must be 'down', 'up' or one of {', '.join(TRANSFER_CATEGORIES)}; got {kind!r}")
+    return category
+
+
+def record_transfers(session: Session, fed: Federation, transfers: Iterable[tuple[Any, ...]]) -> None:
+    """:func:`record_transfer` for many ``(round, client id, category, bytes, per_tensor[, fedavg_equivalent_bytes])``.
 
     Three statements in all, each run with many parameter sets, however many transfers: the
     service counts bytes in memory and writes them here about once a second.
@@ -77,15 +96,24 @@ def record_transfers(
     moves: list[dict[str, Any]] = []
     per_tensor_totals: dict[tuple[int, str, str], int] = {}
     per_client: dict[tuple[str, str], int] = {}
-    for round, client_id, direction, nbytes, per_tensor in transfers:
-        if direction not in TRANSFER_DIRECTIONS:
-            raise ValueError(f"direction must be 'down' or 'up', got {direction!r}")
+    for round, client_id, kind, nbytes, per_tensor, *rest in transfers:
+        category = transfer_category(kind)
+        direction = TRANSFER_CATEGORIES[category]
         nbytes = _count(nbytes, "bytes")
+        fedavg = _count(rest[0] if rest else 0, "fedavg_equivalent_bytes")
         for n, b in per_tensor.items():
             key = (round, n, direction)
             per_tensor_totals[key] = per_tensor_totals.get(key, 0) + _count(b, f"bytes of {n!r}")
         moves.append(
-            {"federation_id": fed.id, "round": round, "client_id": client_id, "direction": direction, "bytes": nbytes}
+            {
+                "federation_id": fed.id,
+                "round": round,
+                "client_id": client_id,
+                "category": category,
+                "direction": direction,
+                "bytes": nbytes,
+                "fedavg_equivalent_bytes": fedavg,
+            }
         )
         per_client[(client_id, direction)] = per_client.get((client_id, direction), 0) + nbytes
     for direction in TRANSFER_DIRECTIONS:
@@ -108,8 +136,8 @@ def record_transfers(
             )
             _expire_loaded(session, Client, {str(c["cid"]) for c in clients}, column)
     if moves:
-        keys = ("federation_id", "round", "client_id", "direction")
-        _add(session, Transfer.__table__, keys, "bytes", moves)
+        keys = ("federation_id", "round", "client_id", "category")
+        _add(session, Transfer.__table__, keys, ("bytes", "fedavg_equivalent_bytes"), moves)
 
 
 def _expire_loaded(session: Session, model: type[Any], ids: set[str], column: str) -> None:
@@ -119,14 +147,17 @@ def _expire_loaded(session: Session, model: type[Any], ids: set[str], column: st
             session.expire(obj, [column])
 
 
-def _add(session: Session, table: Any, keys: tuple[str, ...], column: str, rows: list[dict[str, Any]]) -> None:
+def _add(
+    session: Session, table: Any, keys: tuple[str, ...], column: str | tuple[str, ...], rows: list[dict[str, Any]]
+) -> None:
     """``INSERT … ON CONFLICT (keys) DO UPDATE SET column = column + excluded.column`` for every row.
 
     One Core statement run with many parameter sets: it compiles once per process (statement
     cache) instead of once per call, which a multi-row VALUES or the ORM's bulk path would not.
     """
     ins = _upsert(session)(table)
-    stmt = ins.on_conflict_do_update(index_elements=list(keys), set_={column: table.c[column] + ins.excluded[column]})
+    columns = (column,) if isinstance(column, str) else column
+    stmt = ins.on_conflict_do_update(index_elements=list(keys), set_={c: table.c[c] + ins.excluded[c] for c in columns})
     session.connection().execute(stmt, rows)
 
 
@@ -135,7 +166,7 @@ def round_transfers(session: Session, fed: Federation, round: int) -> list[Trans
         session.scalars(
             select(Transfer)
             .where(Transfer.federation_id == fed.id, Transfer.round == round)
-            .order_by(Transfer.client_id, Transfer.direction)
+            .order_by(Transfer.client_id, Transfer.direction, Transfer.category)
         )
     )
 
@@ -216,7 +247,8 @@ def close_round(
     ``rounds_joined``); the consumed updates' tensors deleted (their headers kept until the next close,
     :func:`consume_round_updates`); the round marked closed; one
     ``round_metrics`` row (keys from :data:`ROUND_METRIC_FIELDS`; ``duration_seconds``
-    defaults to close − open, ``bytes_up``/``bytes_down`` to the round's transfer totals);
+    defaults to close − open, ``bytes_up``/``bytes_down``/``fedavg_equivalent_bytes`` to the round's
+    transfer totals at the close);
     ``tensor_metrics`` rows (keys from :data:`TENSOR_METRIC_FIELDS`, ``ordinal`` defaults to
     the list position); ``transfers`` (dicts ``client_id``, ``direction``, ``bytes``, added
     to what :func:`record_transfer` already counted); the engine's JSON state and
@@ -261,15 +293,18 @@ def close_round(
     # -- bandwidth, then the metrics that summarize it
     for (client_id, direction), nbytes in transfer_totals.items():
         record_transfer(session, row, round_number, client_id, direction, nbytes)
-    totals = dict(
-        session.execute(
-            select(Transfer.direction, func.sum(Transfer.bytes))
+    # (a snapshot at the close: evaluation fetches come later; the dashboard sums ``transfers`` instead)
+    totals = {
+        d: (int(b or 0), int(f or 0))
+        for d, b, f in session.execute(
+            select(Transfer.direction, func.sum(Transfer.bytes), func.sum(Transfer.fedavg_equivalent_bytes))
             .where(Transfer.federation_id == row.id, Transfer.round == round_number)
             .group_by(Transfer.direction)
         ).all()
-    )
-    metrics_row.setdefault("bytes_up", int(totals.get("up") or 0))
-    metrics_row.setdefault("bytes_down", int(totals.get("down") or 0))
+    }
+    metrics_row.setdefault("bytes_up", totals.get("up", (0, 0))[0])
+    metrics_row.setdefault("bytes_down", totals.get("down", (0, 0))[0])
+    metrics_row.setdefault("fedavg_equivalent_bytes", sum(f for _, f in totals.values()))
     metrics_row.setdefault("duration_seconds", (t - rnd.opened_at).total_seconds())
     session.add(RoundMetrics(federation_id=row.id, round=round_number, **metrics_row))
     session.flush()
