@@ -99,6 +99,12 @@ def test_compose_file_is_valid() -> None:
     assert len(clients) >= 3 and all(s["restart"] == "on-failure" for s in clients)
     assert services["aggregator"]["restart"] == "always" and services["postgres"]["restart"] == "always"
     assert "ports" not in services["postgres"]  # the host's 5432 stays free
+    tls = [*command[:3], "-f", str(DEPLOY / "compose.tls.yaml"), "config"]
+    done = subprocess.run(tls, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0 and "WARNING" not in done.stderr, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    assert services["aggregator"]["environment"]["FEDATOMS_TLS_KEY"] == "/etc/fedatoms/tls/server.key"
+    assert all("--tls-ca" in s["command"] for name, s in services.items() if name.startswith("client-"))
 
 
 def test_systemd_units_verify_without_warnings(tmp_path: Path) -> None:
