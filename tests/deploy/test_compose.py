@@ -40,10 +40,10 @@ def stack() -> Iterator[dict[str, str]]:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         yield {"project": project, "url": f"http://127.0.0.1:{dashboard_port}"}
     finally:
-        subprocess.run([*compose, "down", "-v"], env=env, capture_output=True, timeout=300)
         label = f"label=io.podman.compose.project={project}"
         for container in podman("ps", "-aq", "--filter", label, check=False).split():
-            podman("rm", "-f", "-v", container, check=False)
+            podman("rm", "-f", "-v", container, check=False)  # -v: the images' anonymous volumes
+        subprocess.run([*compose, "down", "-v"], env=env, capture_output=True, timeout=300)
         for volume in podman("volume", "ls", "-q", "--filter", label, check=False).split():
             podman("volume", "rm", "-f", volume, check=False)
         podman("network", "rm", "-f", f"{project}_default", check=False)

@@ -2,11 +2,12 @@
 compose test, its workloads taken from the manifests.
 
 podman 4.3 plays Pods, Deployments, ConfigMaps and PersistentVolumeClaims, but no StatefulSet, Job
-or Service, and it names a Deployment's pod ``<name>-pod-0``. So each workload's pod template is
+or Service, names a Deployment's pod ``<name>-pod-0``, and publishes every container port on the
+host (the host's PostgreSQL has 5432). So each workload's pod template is
 played as a Pod named after its Service (the name the other manifests connect to, as a Service
 gives it in a cluster), the StatefulSet's claim template as a PersistentVolumeClaim, and the Job
 as a Pod that restarts on failure. The Secret is a podman secret (podman reads secretKeyRef there).
-Only the images (local), the round count and a host port for the dashboard are changed.
+Only the images (local), the round count and the host ports are changed.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def _pod(name: str, template: dict[str, Any], restart: str) -> dict[str, Any]:
         container["image"] = container["image"].replace(
             "docker.io/library/postgres:15-bookworm", f"{PREFIX}postgres:latest"
         )
+        # podman publishes every containerPort on the host (its own number when no hostPort): a free one
+        for port in container.get("ports", []):
+            port.update(hostPort=free_port(), hostIP="127.0.0.1")
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -171,9 +175,12 @@ def played(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
         yield {"url": f"http://127.0.0.1:{port}", "pods": pods, "play": play}
     finally:
         for pod in pods:
+            for container in podman("ps", "-aq", "--filter", f"pod={pod}", check=False).split():
+                podman("rm", "-f", "-v", container, check=False, timeout=120)  # -v: the images' anonymous volumes
             podman("pod", "rm", "-f", pod, check=False, timeout=120)
-        for claim in claims:
-            podman("volume", "rm", "-f", claim, check=False)
+        # claims, and the volumes podman makes of ConfigMaps
+        for volume in claims + [d["metadata"]["name"] for d in documents if d["kind"] == "ConfigMap"]:
+            podman("volume", "rm", "-f", volume, check=False)
         podman("secret", "rm", "fedatoms-secrets", check=False)
         podman("network", "rm", "-f", network, check=False)
 
