@@ -17,7 +17,8 @@ prefix="${PREFIX:-localhost/fedatoms-}"
 tag="${TAG:-latest}"
 images=("$@")
 [ ${#images[@]} -gt 0 ] || images=(aggregator dashboard client)
-args=(--ignorefile deploy/images/containerignore)
+# docker format: the OCI image format has no HEALTHCHECK, and podman would drop it
+args=(--format docker --ignorefile deploy/images/containerignore)
 [ -z "${BASE:-}" ] || args+=(--build-arg "BASE=$BASE")
 [ -z "${PIP_ARGS:-}" ] || args+=(--build-arg "PIP_ARGS=$PIP_ARGS")
 [ -z "${TORCH_PIP_ARGS:-}" ] || args+=(--build-arg "TORCH_PIP_ARGS=$TORCH_PIP_ARGS")
