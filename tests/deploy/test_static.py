@@ -1,0 +1,148 @@
+"""deploy/ checked without containers, on every run: Kubernetes manifests (kubernetes-validate
+--strict, offline), the compose file (docker-compose or podman-compose config), the systemd units
+(systemd-analyze verify, whose warnings go to stderr with exit 0), and the dashboard without torch.
+Each test skips, saying why, where its tool is missing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+KUBERNETES = DEPLOY / "kubernetes"
+
+
+def tool(name: str) -> str:
+    """The tool next to this interpreter (the venv's) or on PATH; skips the test without it."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} is not installed")
+    return found
+
+
+def manifests() -> list[Path]:
+    return sorted(p for p in KUBERNETES.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def test_kubernetes_manifests_validate_strictly() -> None:
+    validate = tool("kubernetes-validate")
+    done = subprocess.run([validate, "--strict", *map(str, manifests())], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "passed" in done.stdout + done.stderr
+
+
+def test_kustomization_names_every_manifest_and_file() -> None:
+    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == [p.name for p in manifests()]
+    for generator in kustomization["configMapGenerator"]:
+        for name in generator["files"]:
+            assert (KUBERNETES / name.split("=")[-1]).is_file()
+    # secrets.env is the operator's (never committed); the example names the same keys the manifests read
+    example = {
+        line.split("=")[0]
+        for line in (KUBERNETES / "secrets.example.env").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
+    used = set()
+    for path in manifests():
+        for doc in yaml.safe_load_all(path.read_text()):
+            used |= _secret_keys(doc)
+    assert used == example
+
+
+def _secret_keys(node: object) -> set[str]:
+    if isinstance(node, dict):
+        ref = node.get("secretKeyRef")
+        keys = {ref["key"]} if isinstance(ref, dict) and ref.get("name") == "fedatoms-secrets" else set()
+        return keys.union(*(_secret_keys(v) for v in node.values()))
+    if isinstance(node, list):
+        return set().union(*(_secret_keys(v) for v in node))
+    return set()
+
+
+def test_aggregator_probes_keep_a_paused_aggregator_alive() -> None:
+    documents = yaml.safe_load_all((KUBERNETES / "aggregator.yaml").read_text())
+    spec = next(d for d in documents if d["kind"] == "Deployment")["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    container = spec["template"]["spec"]["containers"][0]
+    assert "grpc" in container["readinessProbe"]  # NOT_SERVING while paused: out of the Service
+    assert container["livenessProbe"]["exec"]["command"] == ["fedatoms-grpc-health", "live"]  # any status
+
+
+def test_compose_file_is_valid() -> None:
+    env = {
+        **os.environ,
+        "POSTGRES_PASSWORD": "p",
+        "FEDATOMS_ENROLLMENT_SECRET": "s",
+        "FEDATOMS_DASHBOARD_ADMIN_TOKEN": "t" * 16,
+    }
+    compose = DEPLOY / "compose.yaml"
+    if not shutil.which("docker-compose"):
+        pytest.skip(
+            "docker-compose is not installed (apt-get install docker-compose; podman-compose 1.0 has no config)"
+        )
+    command = ["docker-compose", "-f", str(compose), "config"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "WARNING" not in done.stderr, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    assert {"postgres", "aggregator", "dashboard"} <= set(services)
+    clients = [s for name, s in services.items() if name.startswith("client-")]
+    assert len(clients) >= 3 and all(s["restart"] == "on-failure" for s in clients)
+    assert services["aggregator"]["restart"] == "always" and services["postgres"]["restart"] == "always"
+    assert "ports" not in services["postgres"]  # the host's 5432 stays free
+    tls = [*command[:3], "-f", str(DEPLOY / "compose.tls.yaml"), "config"]
+    done = subprocess.run(tls, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0 and "WARNING" not in done.stderr, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    assert services["aggregator"]["environment"]["FEDATOMS_TLS_KEY"] == "/etc/fedatoms/tls/server.key"
+    assert all("--tls-ca" in s["command"] for name, s in services.items() if name.startswith("client-"))
+
+
+def test_systemd_units_verify_without_warnings(tmp_path: Path) -> None:
+    analyze = tool("systemd-analyze")
+    fedatoms = tool("fedatoms")
+    # verify checks that ExecStart exists: point the units at this checkout's installed command
+    units = []
+    for unit in sorted((DEPLOY / "systemd").glob("*.service")):
+        copy = tmp_path / unit.name
+        copy.write_text(unit.read_text().replace("/opt/fedatoms/venv/bin/fedatoms", fedatoms))
+        units.append(str(copy))
+    assert len(units) == 2
+    done = subprocess.run([analyze, "verify", *units], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="dashboard_api/settings.py line 20 imports split_listen from aggregator_service.config, which "
+    "imports aggregation (torch); the dashboard image works around it in deploy/images/dashboard_entry.py",
+)
+def test_dashboard_app_imports_without_torch() -> None:
+    check = "import sys, dashboard_api.app; sys.exit(3 if 'torch' in sys.modules else 0)"
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_dashboard_image_entry_serves_without_torch() -> None:
+    # what the dashboard image runs, with torch made unimportable: it builds the app and parses `serve`
+    check = (
+        "import sys, runpy; sys.modules['torch'] = None\n"
+        "entry = runpy.run_path('deploy/images/dashboard_entry.py')\n"
+        "entry['_torch_free_config']()\n"
+        "from dashboard_api.app import create_app\n"
+        "from dashboard_api.settings import DashboardSettings\n"
+        "create_app(DashboardSettings(database_url='sqlite:///unused.db', listen='0.0.0.0:8080'))\n"
+        "sys.argv = ['fedatoms-dashboard', 'serve', '--help']\n"
+        "entry['main']()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0 and "--database-url" in done.stdout, done.stderr[-2000:]
