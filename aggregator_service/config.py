@@ -7,7 +7,6 @@ so a setting tried in simulation means the same thing in production.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -17,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from aggregator_service.intervals import build_policy
+from aggregator_service.listen import is_loopback, split_listen
 from aggregator_service.rounds import CohortSampler, Federation
 from aggregator_service.strategies import build_strategy
 from aggregator_service.toml_settings import TomlSettings
@@ -24,7 +24,7 @@ from fedcore.spec import ModelSpec
 from fedcore.tiers import TIERS
 from fedcore.training import TrainConfig
 
-__all__ = ["DEMO_ENROLLMENT_SECRET", "AggregatorSettings", "FederationConfig", "is_loopback", "split_listen"]
+__all__ = ["DEMO_ENROLLMENT_SECRET", "AggregatorSettings", "FederationConfig"]
 
 #: The default enrollment secret: for local demos only, never for a federation reachable by others.
 DEMO_ENROLLMENT_SECRET = "fedatoms-demo"
@@ -157,27 +157,6 @@ _TRAINING_KEYS = tuple(f.name for f in fields(FederationConfig) if f.name in {g.
 
 
 # --------------------------------------------------------------------------- the aggregator service
-
-_LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost"})
-
-
-def split_listen(listen: str) -> tuple[str, int]:
-    """``HOST:PORT`` (IPv6 in brackets) as ``(host, port)``: the listen address of the aggregator and the dashboard."""
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"listen must be HOST:PORT (e.g. 127.0.0.1:50051 or [::]:50051), got {listen!r}")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(listen: str) -> bool:
-    """Whether ``HOST:PORT`` only accepts connections from this machine."""
-    host, _ = split_listen(listen)
-    if host.lower() in _LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class AggregatorSettings(TomlSettings):
