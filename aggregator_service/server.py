@@ -128,15 +128,18 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     @_rpc
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
         p = request.profile
-        profile = CapabilityProfile(
-            device_name=p.device_name or "unknown",
-            compute_macs=p.compute_macs if p.HasField("compute_macs") else None,
-            memory_bytes=p.memory_bytes if p.HasField("memory_bytes") else None,
-            uplink_bps=p.uplink_bps if p.HasField("uplink_bps") else None,
-            downlink_bps=p.downlink_bps if p.HasField("downlink_bps") else None,
-            num_samples=max(0, p.num_samples),
-            preferred_tier=p.preferred_tier if p.HasField("preferred_tier") else None,
-        )
+        try:
+            profile = CapabilityProfile(
+                device_name=p.device_name or "unknown",
+                compute_macs=p.compute_macs if p.HasField("compute_macs") else None,
+                memory_bytes=p.memory_bytes if p.HasField("memory_bytes") else None,
+                uplink_bps=p.uplink_bps if p.HasField("uplink_bps") else None,
+                downlink_bps=p.downlink_bps if p.HasField("downlink_bps") else None,
+                num_samples=max(0, p.num_samples),
+                preferred_tier=p.preferred_tier if p.HasField("preferred_tier") else None,
+            )
+        except ValueError as exc:  # NaN, infinite or negative capacities: the caller's mistake
+            raise InvalidArgument(f"profile: {exc}") from exc
         name = request.client_name if request.HasField("client_name") else None
         reg = self.coordinator.register(profile, request.enrollment_secret, name, self._peer_certificate(context))
         return pb.RegisterReply(

@@ -22,13 +22,19 @@ __all__ = ["declared_profile", "measured_profile"]
 
 def declared_profile(path: str | Path, num_samples: int) -> CapabilityProfile:
     """A profile from a TOML file with CapabilityProfile's keys (``num_samples`` defaults to the local data)."""
-    data = tomllib.loads(Path(path).read_text())
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
     known = {f.name for f in fields(CapabilityProfile)}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"{path}: unknown profile keys {sorted(unknown)}; known: {', '.join(sorted(known))}")
     data.setdefault("num_samples", num_samples)
-    return CapabilityProfile(**data)
+    try:
+        return CapabilityProfile(**data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def available_memory_bytes() -> int | None:

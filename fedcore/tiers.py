@@ -6,6 +6,7 @@ counts of each tier's ModelSpec against the device's declared memory and compute
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from fedcore.spec import ModelSpec
@@ -29,8 +30,24 @@ class CapabilityProfile:
     num_samples: int = 0
     preferred_tier: float | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.device_name, str):
+            raise ValueError(f"device_name must be a string, got {self.device_name!r}")
+        for name in ("compute_macs", "memory_bytes", "uplink_bps", "downlink_bps"):
+            value = getattr(self, name)
+            if value is not None and (not _number(value) or not math.isfinite(value) or value < 0):
+                raise ValueError(f"{name} must be a finite number ≥ 0 (or left out: no limit), got {value!r}")
+        if isinstance(self.num_samples, bool) or not isinstance(self.num_samples, int) or self.num_samples < 0:
+            raise ValueError(f"num_samples must be an integer ≥ 0, got {self.num_samples!r}")
+        if self.preferred_tier is not None and not _number(self.preferred_tier):
+            raise ValueError(f"preferred_tier must be a number (a tier such as 0.5), got {self.preferred_tier!r}")
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class NoTierFitsError(ValueError):

@@ -21,11 +21,7 @@ def cmd_client_run(args: argparse.Namespace) -> int:
     from client_agent.transport import AggregatorClient, Backoff
     from fedwire.allocator import reuse_message_buffers
 
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-    )
-    reuse_message_buffers()
+    _check_server(args.server)
     if not 0 <= args.partition_index < args.num_partitions:
         raise ValueError(f"--partition-index must be in [0, {args.num_partitions}), got {args.partition_index}")
     pop = Population(
@@ -47,6 +43,12 @@ def cmd_client_run(args: argparse.Namespace) -> int:
         from fedcore.tiers import CapabilityProfile
 
         profile = CapabilityProfile(num_samples=len(vc.train))
+    _check_writable(Path(args.state_dir))  # the last check: it creates the directory
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
+    )
+    reuse_message_buffers()
     client = AggregatorClient(
         args.server,
         tls_ca=args.tls_ca,
@@ -75,6 +77,29 @@ def cmd_client_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return code
+
+
+def _check_server(server: str) -> None:
+    """HOST:PORT, refused without a port: gRPC would dial 443 and retry a closed port for minutes."""
+    from aggregator_service.listen import split_listen
+
+    try:
+        split_listen(server)
+    except ValueError:
+        raise ValueError(
+            f"--server needs HOST:PORT (e.g. 127.0.0.1:50051 or aggregator.example:443), got {server!r}"
+        ) from None
+
+
+def _check_writable(state_dir: Path) -> None:
+    """Before registering: an agent that cannot save its credentials would leave an orphan client behind."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        probe = state_dir / ".write-check"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(f"--state-dir {state_dir} cannot be written ({exc.strerror}); nothing was registered") from exc
 
 
 def add_parser(sub: Any) -> None:

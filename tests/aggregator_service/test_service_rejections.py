@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from grpc_helpers import Client, register, shards, snapshot
+from grpc_helpers import SECRET, Client, register, shards, snapshot
 
 from aggregator_service import store
 from fedcore import codec
@@ -184,3 +184,25 @@ def test_duplicate_update_id_is_acknowledged_and_counted_once(round_one) -> None
         a.push(1, good, update_id=update_id)
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert snapshot(svc.url)["rounds"][0] == (*closed["rounds"][0][:4], 2)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+@pytest.mark.parametrize(
+    "profile",
+    [
+        {"compute_macs": float("nan")},
+        {"compute_macs": float("inf")},
+        {"uplink_bps": float("nan")},
+        {"downlink_bps": -1.0},
+        {"memory_bytes": -5},
+    ],
+    ids=["macs-nan", "macs-inf", "uplink-nan", "downlink-negative", "memory-negative"],
+)
+def test_an_impossible_profile_is_invalid_argument(start_service, request, backend, profile) -> None:
+    svc = start_service(request.getfixturevalue(f"{backend}_url"))
+    field = next(iter(profile))
+    message = pb.RegisterRequest(
+        profile=pb.CapabilityProfile(device_name="edge", num_samples=10, **profile), enrollment_secret=SECRET
+    )
+    details = _refused(svc.url, grpc.StatusCode.INVALID_ARGUMENT, field, lambda: svc.stub.Register(message))
+    assert "finite number ≥ 0" in details

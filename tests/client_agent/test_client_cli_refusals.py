@@ -1,0 +1,75 @@
+"""`fedatoms client run` refuses a careless command line at once, with one line and exit 2, before it registers.
+
+Each case runs the real command (``fedatoms.cli.main``) against a real aggregator where a
+registration could happen, and checks the database afterwards: nothing registered.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from processes import SECRET, Aggregator, federation_toml
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+from support import free_port
+
+from aggregator_service import store
+from fedatoms.cli import main
+
+
+@pytest.fixture
+def aggregator(tmp_path: Path):
+    config = federation_toml(tmp_path / "federation.toml", model="digits-cnn", rounds=1)
+    server = Aggregator(config, free_port(), f"sqlite:///{tmp_path / 'agg.db'}", tmp_path / "server.log").start()
+    yield server
+    server.stop()
+
+
+def _clients(url: str) -> int:
+    engine = store.create_engine_for(url)
+    try:
+        with Session(engine) as s:
+            return int(s.execute(select(func.count()).select_from(store.Client)).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def _run(capsys, *argv: str) -> tuple[int, str]:
+    code = main(["client", "run", "--enrollment-secret", SECRET, "--partition-index", "0", *argv])
+    return code, capsys.readouterr().err
+
+
+def test_a_server_without_a_port_is_refused(aggregator, tmp_path, capsys) -> None:
+    code, err = _run(capsys, "--server", "127.0.0.1", "--state-dir", str(tmp_path / "d"))
+    assert code == 2
+    assert "--server needs HOST:PORT" in err and len(err.strip().splitlines()) == 1
+    assert _clients(aggregator.url) == 0
+
+
+def test_a_state_dir_that_cannot_be_written_registers_nothing(aggregator, tmp_path, capsys) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")  # a path under a regular file can be created by nobody, root included
+    code, err = _run(capsys, "--server", aggregator.target, "--state-dir", str(blocker / "state"))
+    assert code == 2
+    assert "cannot be written" in err and "nothing was registered" in err
+    assert _clients(aggregator.url) == 0
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('compute_macs = "lots"', "compute_macs"),
+        ("memory_bytes = -1", "memory_bytes"),
+        ("uplink_bps = nan", "uplink_bps"),
+    ],
+)
+def test_a_bad_profile_value_is_one_line_and_exit_2(aggregator, tmp_path, capsys, line, field) -> None:
+    profile = tmp_path / "profile.toml"
+    profile.write_text(f'device_name = "edge"\n{line}\n')
+    code, err = _run(
+        capsys, "--server", aggregator.target, "--state-dir", str(tmp_path / "d"), "--profile", str(profile)
+    )
+    assert code == 2, err
+    assert field in err and len(err.strip().splitlines()) == 1
+    assert _clients(aggregator.url) == 0
