@@ -13,7 +13,8 @@ Push take, and in no write transaction:
    close produced, as before, in one commit;
 4. under the shared lock, the copy replaces the engine and the round is no longer open.
 
-A failed close leaves the engine untouched and reloads from the store; the round stays open.
+A failed close leaves the engine untouched and reloads from the store; the round stays open, and
+a second failure of the same round with the same cause abandons it (:meth:`Closing.close`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class Closing:
         self.ledger = ledger
         self.decoded = decoded
         self._eval_data: Any = None
+        self._last_failure: tuple[int, str] | None = None  # (round, cause) of the last failed close
         settings = shared.settings
         if settings.eval_dataset:
             from fedcore.data import load_dataset
@@ -61,15 +63,42 @@ class Closing:
             self._eval_data = load_dataset(settings.eval_dataset, settings.eval_data_dir)[1]
 
     def close(self, op: OpenRound, reason: str) -> None:
-        """Close ``op``, which the caller marked ``closing``; a failure is logged and the round stays open."""
+        """Close ``op``, which the caller marked ``closing``.
+
+        A failure is logged with its cause and the round stays open for the next tick to try again;
+        a second failure of the same round with the same cause abandons it (its updates are deleted,
+        nothing is aggregated, the next GetTask samples a new cohort), so a close that cannot succeed,
+        say an update whose factors overflow float32 when multiplied out, never spins.
+        """
         try:
             self._close(op, reason)
-        except Exception:
-            log.exception(kv("round_close_failed", round=op.plan.round))
+        except Exception as exc:
+            cause = f"{type(exc).__name__}: {exc}"
+            if self._last_failure == (op.plan.round, cause):
+                self._abandon_failed(op.plan.round, cause)
+            else:
+                self._last_failure = (op.plan.round, cause)
+                log.exception(kv("round_close_failed", round=op.plan.round, cause=cause, action="retry"))
         finally:
             with self.shared.lock:
                 op.closing = False
                 self.shared.settle()
+
+    def _abandon_failed(self, round_: int, cause: str) -> None:
+        shared = self.shared
+        with shared.factory.begin() as s:
+            store.lock_round(s, shared.fed_row, round_)
+            store.abandon_round(s, shared.fed_row, round_, now=shared.clock())
+        with shared.lock:
+            if shared.open is not None and shared.open.plan.round == round_:
+                self._forget_open()
+        log.error(kv("round_close_failed", round=round_, cause=cause, action="abandoned"))
+
+    def _forget_open(self) -> None:
+        """The open round is gone (abandoned): no cohort, no decoded updates (under the lock)."""
+        self.shared.open = None
+        self.decoded.forget()
+        self.shared.federation.cohort = ()
 
     def _close(self, op: OpenRound, reason: str) -> RoundOutcome:
         shared, plan = self.shared, op.plan
@@ -222,9 +251,7 @@ class Closing:
             op.deadline, op.extended = deadline, True
             log.warning(kv("round_extended", round=r, reported=len(op.reported), needed=needed))
         else:
-            shared.open = None
-            self.decoded.forget()
-            shared.federation.cohort = ()
+            self._forget_open()
             log.warning(kv("round_abandoned", round=r, reported=len(op.reported), needed=needed))
         return None
 
