@@ -92,6 +92,11 @@ class FederationConfig:
             )
         if low and self.strategy == "scaffold":
             raise ValueError("SCAFFOLD's control variates live in full-rank space: use tiers = [1] with scaffold")
+        if self.strategy == "scaffold" and self.factorization.startswith("atoms") and self.atom_lr == "scaled":
+            raise ValueError(
+                "SCAFFOLD's control variates assume one learning rate for every parameter, and atom_lr = scaled "
+                "gives atoms and coefficients their own: use atom_lr = shared with scaffold and atoms"
+            )
         if not math.isinf(self.temperature) and self.weighting != "tier-softmax":
             raise ValueError("--temperature only applies with --weighting tier-softmax")
         if self.interval_policy == "fixed" and self.factorization not in ("atoms", "atoms-lowrank"):

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/aggregation.py                      # defaults: ~2-4 min on 2 shared CPU cores
+    .venv/bin/python benchmarks/aggregation.py                      # the defaults take minutes
     .venv/bin/python benchmarks/aggregation.py --models resnet18 --clients 10,100 --json out.json
 
 For ``lenet-cifar10`` (≈0.3M parameters) and ``resnet18`` (≈11.2M, ≈45 MB in fp32) at the full

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from aggregator_service import store
@@ -55,7 +56,9 @@ class Closing:
         self.ledger = ledger
         self.decoded = decoded
         self._eval_data: Any = None
-        self._last_failure: tuple[int, str] | None = None  # (round, cause) of the last failed close
+        # (round, cause) of the last failed close, and what was done about it; closes never overlap
+        self._last_failure: tuple[int, str] | None = None
+        self._action = "retry"
         settings = shared.settings
         if settings.eval_dataset:
             from fedcore.data import load_dataset
@@ -68,31 +71,36 @@ class Closing:
         A failure is logged with its cause and the round stays open for the next tick to try again;
         a second failure of the same round with the same cause abandons it (its updates are deleted,
         nothing is aggregated, the next GetTask samples a new cohort), so a close that cannot succeed,
-        say an update whose factors overflow float32 when multiplied out, never spins.
+        say an update whose factors overflow float32 when multiplied out, never spins. Failures of
+        the database itself (a lock, a lost connection) are retried, never a reason to abandon.
         """
         try:
             self._close(op, reason)
         except Exception as exc:
-            cause = f"{type(exc).__name__}: {exc}"
-            if self._last_failure == (op.plan.round, cause):
-                self._abandon_failed(op.plan.round, cause)
-            else:
-                self._last_failure = (op.plan.round, cause)
-                log.exception(kv("round_close_failed", round=op.plan.round, cause=cause, action="retry"))
+            log.error(
+                kv("round_close_failed", round=op.plan.round, cause=_cause(exc), action=self._action), exc_info=True
+            )
         finally:
             with self.shared.lock:
                 op.closing = False
                 self.shared.settle()
 
-    def _abandon_failed(self, round_: int, cause: str) -> None:
-        shared = self.shared
-        with shared.factory.begin() as s:
-            store.lock_round(s, shared.fed_row, round_)
-            store.abandon_round(s, shared.fed_row, round_, now=shared.clock())
-        with shared.lock:
-            if shared.open is not None and shared.open.plan.round == round_:
-                self._forget_open()
-        log.error(kv("round_close_failed", round=round_, cause=cause, action="abandoned"))
+    def _after_failure(self, round_: int, exc: Exception) -> None:
+        """Retry or abandon a failed close; decided before the engine is reloaded, so no other close overlaps."""
+        cause = _cause(exc)
+        repeated = self._last_failure == (round_, cause) and not isinstance(exc, SQLAlchemyError | OSError)
+        self._last_failure = (round_, cause)
+        self._action = "retry"
+        if repeated:
+            shared = self.shared
+            try:
+                with shared.factory.begin() as s:
+                    store.lock_round(s, shared.fed_row, round_)
+                    store.abandon_round(s, shared.fed_row, round_, now=shared.clock())
+            except Exception:  # the round is not open any more, or the database failed: the next tick decides
+                log.exception(kv("round_abandon_failed", round=round_))
+            else:
+                self._action = "abandoned"
 
     def _forget_open(self) -> None:
         """The open round is gone (abandoned): no cohort, no decoded updates (under the lock)."""
@@ -135,9 +143,10 @@ class Closing:
                             strategy_tensors=strategy_tensors,
                             next_round=None if done else plan.round + 1,
                         )
-            except Exception:
+            except Exception as exc:
                 self.ledger.unwrite(drained)
-                load(shared)  # the transaction rolled back: follow the store
+                self._after_failure(plan.round, exc)
+                load(shared)  # the transaction rolled back (or the round was abandoned): follow the store
                 raise
             if not refold:
                 break
@@ -257,6 +266,10 @@ class Closing:
 
     def _quorum(self, cohort_size: int) -> int:
         return max(1, math.ceil(self.shared.settings.quorum * cohort_size - 1e-9))
+
+
+def _cause(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _copy(fed: Federation) -> Federation:

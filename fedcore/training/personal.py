@@ -69,8 +69,9 @@ def train_personal_atoms(
     """Train the client's atoms ``D_l`` with everything else frozen at the received values.
 
     Returns the trained personalized copy (on the config's device; the received model is
-    untouched) and its metrics. Plain SGD with the config's lr/momentum/weight decay for
-    ``personal_epochs``; the FedProx, SCAFFOLD and Frobenius terms belong to the global update.
+    untouched) and its metrics. SGD with the config's momentum and weight decay, the atoms' rate
+    set as in the global update (``atom_lr``), for ``personal_epochs``; the FedProx, SCAFFOLD and
+    Frobenius terms belong to the global update.
     """
     check_personal_atoms(model, personal_atoms)
     device = resolve_device(config.device)

@@ -2,7 +2,7 @@
 
 The failing close is a real one: an enrolled tier-1/4 client pushes finite low-rank factors so large
 that their product overflows float32 when the server aligns them to full rank (every value passes
-validation). Before, every tick retried the close with a full reload and the clients waited forever.
+validation). Without the rule, every tick would retry the close and the clients would wait forever.
 """
 
 from __future__ import annotations

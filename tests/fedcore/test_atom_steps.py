@@ -67,20 +67,6 @@ def test_a_shared_rate_amplifies_the_step_by_the_coefficients_energy() -> None:
     assert moved > 10 * plain  # what made atoms diverge where plain convs learned
 
 
-def test_rates_follow_the_other_factors_top_singular_value() -> None:
-    layer, _, _ = _layer(3.0)
-    model = _Wrap(layer)
-    steps = AtomSteps(model, dict(model.named_parameters()), 0.1, "scaled")
-    optimizer = torch.optim.SGD(steps.param_groups, lr=0.1)
-    steps.rescale(optimizer)
-    a_top = float(torch.linalg.svdvals(layer.coefficients.detach().reshape(-1, 9).double())[0]) ** 2
-    d_top = float(torch.linalg.svdvals(layer.atoms.detach().reshape(9, -1).double())[0]) ** 2
-    rates = {id(g["params"][0]): g["lr"] for g in optimizer.param_groups}
-    assert rates[id(layer.atoms)] == pytest.approx(0.1 / max(1.0, a_top), rel=1e-9)
-    assert rates[id(layer.coefficients)] == pytest.approx(0.1 / max(1.0, d_top), rel=1e-9)
-    assert d_top == pytest.approx(1.0, abs=1e-6)  # atoms fitted by SVD are orthonormal: the coefficients keep η
-
-
 def test_parameters_outside_atom_layers_keep_the_base_rate() -> None:
     model = nn.Sequential(AtomConv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(2))
     model(torch.randn(1, 3, 5, 5))

@@ -82,3 +82,13 @@ def test_scaffold_rejects_low_rank_and_missing_controls() -> None:
         scaffold.fold(acc, update(DIGITS, {}, 5, "c", {"bogus": torch.zeros(1)}))
     with pytest.raises(ValueError, match="num_clients_total"):
         Scaffold(0)
+
+
+def test_scaffold_with_per_factor_step_sizes_is_refused_at_start() -> None:
+    """c_i⁺ = c_i − c + (w_start − w_end)/(K·lr) assumes one lr; scaled atom steps break it, so the config says so."""
+    from aggregator_service.config import FederationConfig
+
+    with pytest.raises(ValueError, match="atom_lr = shared"):
+        FederationConfig(strategy="scaffold", factorization="atoms")
+    FederationConfig(strategy="scaffold", factorization="atoms", atom_lr="shared")
+    FederationConfig(strategy="scaffold", factorization="none")
