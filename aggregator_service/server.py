@@ -27,6 +27,7 @@ from aggregator_service import store
 from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
 from aggregator_service.coordinator import ClientInfo, Coordinator, Done, Train, kv
 from aggregator_service.errors import InvalidArgument, ServiceError, Unauthenticated
+from aggregator_service.logfmt import configure_logging
 from fedcore import codec
 from fedcore.tiers import CapabilityProfile
 from fedwire import framing
@@ -430,12 +431,6 @@ class DeadlineTicker(threading.Thread):
 
     def stop(self) -> None:
         self.stopped.set()
-
-
-def configure_logging(level: int = logging.INFO) -> None:
-    logging.basicConfig(
-        level=level, format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s", force=True
-    )
 
 
 LOCK_CHECK_SECONDS = 5.0  # how often a running aggregator confirms it still holds its federation's lock

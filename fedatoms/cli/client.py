@@ -15,6 +15,7 @@ def cmd_client_run(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    from aggregator_service.logfmt import configure_logging
     from client_agent.agent import EXIT_CODES, Agent
     from client_agent.pool import Population
     from client_agent.profile import declared_profile, measured_profile
@@ -44,10 +45,7 @@ def cmd_client_run(args: argparse.Namespace) -> int:
 
         profile = CapabilityProfile(num_samples=len(vc.train))
     _check_writable(Path(args.state_dir))  # the last check: it creates the directory
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-    )
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     reuse_message_buffers()
     client = AggregatorClient(
         args.server,
