@@ -196,6 +196,9 @@ class AggregatorSettings(TomlSettings):
     poll_interval_seconds: float | None = Field(default=None, gt=0.0)
     #: Largest PushUpdate payload accepted; unset: 2 × the full model's float32 bytes.
     max_push_bytes: int | None = Field(default=None, gt=0)
+    #: Largest sample count a client may declare at Register; a push may claim no more than its client
+    #: declared (or this, for a client that declared none), so no client weighs more than it said it would.
+    max_client_samples: int = Field(default=10_000_000, gt=0)
     #: Server-side test set evaluated after every round (e.g. "digits"); unset: no server evaluation.
     eval_dataset: str | None = None
     eval_data_dir: str | None = None

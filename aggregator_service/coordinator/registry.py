@@ -57,6 +57,12 @@ class Registry:
         """
         shared, config = self.shared, self.shared.config
         self._check_secret(secret)
+        cap = shared.settings.max_client_samples
+        if profile.num_samples > cap:
+            raise InvalidArgument(
+                f"num_samples {profile.num_samples} is more than this federation accepts from one client "
+                f"(max_client_samples = {cap})"
+            )
         try:
             tier = assign_tier(profile, config.spec, tuple(config.tiers))
         except NoTierFitsError as exc:

@@ -13,10 +13,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from aggregator_service import store
-from aggregator_service.errors import FailedPrecondition
+from aggregator_service.errors import FailedPrecondition, InvalidArgument
 from aggregator_service.logfmt import kv
 from aggregator_service.validation import check_header, check_tensors
 
@@ -82,6 +83,16 @@ class Uploads:
         self.ledger = ledger
         self.decoded = decoded
         self._close = close
+        self._declared: dict[str, int] = {}  # client id → num_samples it registered with (never changes)
+
+    def _declared_samples(self, client_id: str) -> int:
+        """The sample count a client registered with (0: none declared), read once per client."""
+        declared = self._declared.get(client_id)
+        if declared is None:
+            with self.shared.reader.connect() as conn:
+                profile = conn.execute(select(store.Client.profile).where(store.Client.id == client_id)).scalar_one()
+            declared = self._declared[client_id] = int((profile or {}).get("num_samples") or 0)
+        return declared
 
     def push(
         self,
@@ -98,6 +109,12 @@ class Uploads:
         """Validate and store one update; acknowledged only after the commit. Closes the round when complete."""
         shared = self.shared
         clean_metrics = check_header(update_id, num_samples, metrics)
+        allowed = self._declared_samples(client.id) or shared.settings.max_client_samples
+        if num_samples > allowed:
+            raise InvalidArgument(
+                f"num_samples {num_samples} is more than the {allowed} samples client {client.id} registered "
+                "with: an update weighs what its client's data does"
+            )
         try:
             with shared.settled():  # a push for a closing round is answered as the close decides
                 op = shared.open

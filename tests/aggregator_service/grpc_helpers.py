@@ -107,11 +107,12 @@ class Client:
         tensors: Mapping[str, Any],
         *,
         update_id: str | None = None,
-        num_samples: int = 100,
+        num_samples: int | None = None,  # the client's data size, what it registered with
         metrics: Mapping[str, float] | None = None,
         timeout: float = 60,
     ) -> pb.PushReply:
         update_id = update_id or uuid.uuid4().hex
+        num_samples = len(self.data) if num_samples is None else num_samples
         if self.batched:
             header = pb.PushHeader(round=round_, update_id=update_id, num_samples=num_samples, metrics=metrics or {})
             frames = framing.push_messages(header, [(n, t, 0, pb.TENSOR_KIND_MODEL) for n, t in tensors.items()])

@@ -206,3 +206,35 @@ def test_an_impossible_profile_is_invalid_argument(start_service, request, backe
     )
     details = _refused(svc.url, grpc.StatusCode.INVALID_ARGUMENT, field, lambda: svc.stub.Register(message))
     assert "finite number ≥ 0" in details
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_an_update_weighs_no_more_than_its_client_registered(start_service, request, backend) -> None:
+    """num_samples = 2^63 − 1 from a client registered with 60 samples would own the average: refused."""
+    svc = start_service(request.getfixturevalue(f"{backend}_url"))
+    data = shards(2, 60)
+    a, _ = register(svc.stub, 1.0, data[0]), register(svc.stub, 0.25, data[1])  # two: the push closes nothing
+    task = a.task()
+    a.fetch()
+    tensors = {n: t.numpy() for n, t in a.train(task).tensors.items()}
+    for claim in (2**63 - 1, 61):
+        _refused(
+            svc.url,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "registered with",
+            lambda c=claim: a.push(1, tensors, num_samples=c),
+        )
+    assert a.push(1, tensors, num_samples=60).accepted  # exactly what it registered
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_registration_caps_the_declared_sample_count(start_service, request, backend) -> None:
+    svc = start_service(request.getfixturevalue(f"{backend}_url"), max_client_samples=1000)
+    message = pb.RegisterRequest(
+        profile=pb.CapabilityProfile(device_name="edge", num_samples=1001), enrollment_secret=SECRET
+    )
+    _refused(svc.url, grpc.StatusCode.INVALID_ARGUMENT, "max_client_samples = 1000", lambda: svc.stub.Register(message))
+    ok = pb.RegisterRequest(
+        profile=pb.CapabilityProfile(device_name="edge", num_samples=1000), enrollment_secret=SECRET
+    )
+    assert svc.stub.Register(ok).client_id
