@@ -21,7 +21,7 @@ __all__ = ["declared_profile", "measured_profile"]
 
 
 def declared_profile(path: str | Path, num_samples: int) -> CapabilityProfile:
-    """A profile from a TOML file with CapabilityProfile's keys (``num_samples`` defaults to the local data)."""
+    """A profile from a TOML file with CapabilityProfile's keys; ``num_samples`` is always the local data's."""
     try:
         data = tomllib.loads(Path(path).read_text())
     except tomllib.TOMLDecodeError as exc:
@@ -30,7 +30,9 @@ def declared_profile(path: str | Path, num_samples: int) -> CapabilityProfile:
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"{path}: unknown profile keys {sorted(unknown)}; known: {', '.join(sorted(known))}")
-    data.setdefault("num_samples", num_samples)
+    # the sample count comes from the data the agent trains on, never from a declaration: the server
+    # bounds every update's weight by what its client registered with
+    data["num_samples"] = num_samples
     try:
         return CapabilityProfile(**data)
     except ValueError as exc:
