@@ -19,19 +19,39 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from client_agent.state import ClientState
+from client_agent.update import ClientEvaluation, ClientPush, TrainTask, evaluate_client, run_task
+from fedcore.codec import decode, encode
 from fedcore.data import ArrayDataset, load_dataset, local_test_splits, partition
 from fedcore.keys import client_key
+from fedcore.spec import ModelSpec
 from fedcore.tiers import CapabilityProfile
 
-__all__ = ["Population", "VirtualClient", "WorkerJob", "make_virtual_clients", "register_all", "run_grpc_pool"]
+__all__ = [
+    "InProcessPush",
+    "Moved",
+    "Population",
+    "VirtualClient",
+    "WorkerJob",
+    "evaluate_in_process",
+    "make_virtual_clients",
+    "register_all",
+    "run_grpc_pool",
+    "through_codec",
+    "train_in_process",
+]
+
+#: bytes that travelled, as ``(full-rank tensor they count toward, encoded bytes)``, in sending order
+Moved = list[tuple[str, int]]
 
 log = logging.getLogger("fedatoms.pool")
 
@@ -105,6 +125,73 @@ class Population:
             dirichlet_alpha=self.dirichlet_alpha,
             seed=self.seed,
         )
+
+
+def through_codec(
+    tensors: Mapping[str, Tensor], fp16: bool, owner: Mapping[str, str]
+) -> tuple[dict[str, Tensor], Moved]:
+    """The in-process wire: every tensor goes through the wire codec; its encoded bytes count toward the
+    full-rank tensor it belongs to (a factor pair counts toward what it rebuilds)."""
+    out: dict[str, Tensor] = {}
+    moved: Moved = []
+    for name, tensor in tensors.items():
+        encoded = encode(tensor, fp16=fp16, name=name)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        out[name] = torch.from_numpy(
+            decode(name, encoded.dtype, encoded.shape, encoded.data, expected_shape=encoded.shape, expected_dtype=dtype)
+        )
+        moved.append((owner.get(name, name), encoded.nbytes))
+    return out, moved
+
+
+@dataclass(frozen=True)
+class InProcessPush:
+    """One virtual client's round without a network: its push (through the codec) and the bytes both ways."""
+
+    client_id: str
+    tier: float
+    push: ClientPush
+    fetched: Moved  # the training fetch: the model's newer tensors, then SCAFFOLD's server control
+    pushed: Moved
+
+
+def _receive(vc: VirtualClient, spec: ModelSpec, fetched: Mapping[str, tuple[Tensor, int]], fp16: bool) -> Moved:
+    received, moved = through_codec({n: t for n, (t, _) in fetched.items()}, fp16, spec.owners)
+    vc.state.receive({n: (received[n], v) for n, (_, v) in fetched.items()})
+    return moved
+
+
+def train_in_process(
+    vc: VirtualClient,
+    spec: ModelSpec,
+    task: TrainTask,
+    fetched: Mapping[str, tuple[Tensor, int]],
+    *,
+    fp16: bool,
+    personal_atoms: bool,
+) -> InProcessPush:
+    """Receive ``fetched`` (the tensors newer than the client holds), train for ``task``, push: the client's
+    half of an in-process round, wherever the client lives (this process or a Ray actor)."""
+    down = _receive(vc, spec, fetched, fp16)
+    if task.server_control is not None:
+        control, more = through_codec(task.server_control, fp16, spec.owners)
+        down += more
+        task = replace(task, server_control=control)
+    push = run_task(vc.state, spec, task, vc.train, personal_atoms=personal_atoms)
+    tensors, up = through_codec(push.tensors, fp16, spec.owners)
+    delta = None
+    if push.control_delta is not None:
+        delta, more = through_codec(push.control_delta, fp16, spec.owners)
+        up += more
+    return InProcessPush(vc.client_id, vc.state.tier, replace(push, tensors=tensors, control_delta=delta), down, up)
+
+
+def evaluate_in_process(
+    vc: VirtualClient, spec: ModelSpec, fetched: Mapping[str, tuple[Tensor, int]], *, fp16: bool
+) -> tuple[Moved, ClientEvaluation]:
+    """As an agent does once a round closed: receive the newer tensors, evaluate on the local test split."""
+    down = _receive(vc, spec, fetched, fp16)
+    return down, evaluate_client(vc.state, spec, vc.test)
 
 
 @dataclass(frozen=True)

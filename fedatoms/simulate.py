@@ -22,14 +22,13 @@ from aggregator_service.config import FederationConfig
 from aggregator_service.metrics import CATEGORIES, DIRECTIONS, BandwidthLedger, fedavg_transfer_bytes, total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome
 from aggregator_service.updates import ClientUpdate
-from client_agent.pool import Population, VirtualClient
-from client_agent.update import ClientEvaluation, TrainTask, evaluate_client, run_task
+from client_agent.pool import Population
+from client_agent.update import ClientEvaluation
+from fedatoms.engines import ENGINES
+from fedatoms.engines.local import LocalClients, account
 from fedatoms.records import TOTALS, accumulate, mean_or_none, summarize
-from fedcore.codec import decode, encode
 from fedcore.data import INPUT_SHAPES, NUM_CLASSES, ArrayDataset, load_dataset
-from fedcore.keys import derive_seed
 from fedcore.models import model_info
-from fedcore.spec import ModelSpec
 from fedcore.training import evaluate
 
 __all__ = ["DEFAULT_MODELS", "SimulationConfig", "run_simulation"]
@@ -61,6 +60,13 @@ class SimulationConfig(FederationConfig):
     threads: int = 1
     transport: str = "inprocess"
     output: str | None = None
+    # where the virtual clients run (docs/simulation.md, "On a Ray cluster"); a TOML's [simulation] table
+    # may hold these keys, and [simulation.resources] the Ray resources of one client per tier
+    engine: str = "local"
+    ray_address: str | None = None  # join this cluster; none: start a local Ray and stop it at the end
+    ray_num_cpus: int | None = None  # CPUs of the local Ray [all of this machine's]
+    resources: dict[str, Any] | None = None
+    actor_failure: str = "retry"  # a dead actor's clients: "retry" their round on its replacement, or "dropout"
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -76,11 +82,27 @@ class SimulationConfig(FederationConfig):
             )
         if self.clients < 1:
             raise ValueError("clients must be ≥ 1")
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
+        if self.engine != "ray" and (self.ray_address or self.ray_num_cpus or self.resources):
+            raise ValueError("ray_address, ray_num_cpus and [simulation.resources] need engine = 'ray'")
+        if self.actor_failure not in ("retry", "dropout"):
+            raise ValueError(f"actor_failure must be 'retry' or 'dropout', got {self.actor_failure!r}")
+        if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
+            raise ValueError(f"ray_num_cpus must be ≥ 1, got {self.ray_num_cpus}")
+        if self.engine == "ray":
+            from client_agent.ray_placement import parse_resources
+
+            parse_resources(self.resources, self.tiers)  # refused here, before anything starts
         super().__post_init__()
 
     @classmethod
     def from_toml(cls, path: str | Path, overrides: Mapping[str, Any] | None = None) -> SimulationConfig:
         data = tomllib.loads(Path(path).read_text())
+        table = data.pop("simulation", {})  # [simulation] engine = "ray", [simulation.resources] "1/8" = {...}
+        if not isinstance(table, dict):
+            raise ValueError(f"{path}: simulation must be a table ([simulation])")
+        data.update(table)
         data = {k.replace("-", "_"): v for k, v in data.items()}
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
@@ -118,13 +140,19 @@ def run_simulation(config: SimulationConfig, progress: ProgressFn | None = None,
 
     ``transport="grpc"`` goes through a real aggregator and real client agents
     (:func:`fedatoms.simulate_grpc.run_grpc_simulation`, which takes ``grpc_options``);
-    both transports give the same record for the same seed.
+    both transports give the same record for the same seed. ``engine="ray"`` runs the virtual
+    clients as Ray actors (:mod:`fedatoms.engines.ray_engine`), with the same record again.
     """
     if config.threads < 1:
         raise ValueError(f"threads must be ≥ 1, got {config.threads}")
     previous = torch.get_num_threads()
     torch.set_num_threads(config.threads)
     try:
+        if config.engine == "ray":
+            from client_agent.ray_pool import ray_session
+
+            with ray_session(config.ray_address, config.ray_num_cpus):
+                return _run(config, progress, grpc_options)
         return _run(config, progress, grpc_options)
     finally:
         torch.set_num_threads(previous)
@@ -142,72 +170,64 @@ def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: di
     started = time.perf_counter()
     train, test = load_dataset(config.dataset, config.data_dir, download=config.download)
     federation = build_federation(config)
-    clients = config.population().clients(train, test)
-    by_id = {c.client_id: c for c in clients}
+    pool = _client_engine(config, train, test)
     train_config = config.train_config(device=config.device)
     fedavg_bytes = fedavg_transfer_bytes(config.spec)  # each transfer's FedAvg-equivalent
     records: list[dict[str, Any]] = []
     totals = dict.fromkeys(TOTALS, 0)
-    for r in range(1, config.rounds + 1):
-        t0 = time.perf_counter()
-        plan = federation.plan(r, list(by_id))
-        federation.begin(plan)
-        # one round's: its record reads it, then it is dropped
-        ledger = BandwidthLedger(fp16=config.fp16, fedavg_bytes=fedavg_bytes)
-        control = federation.strategy.client_config()
-        server_control = federation.strategy.server_control() if control.get("scaffold") else None
-        for cid in plan.cohort:  # fixed fold order: sorted client ids
-            vc = by_id[cid]
-            moved = ledger.total(round_=r, client_id=cid, category="train_fetch")
-            tier_spec, owner = _fetch(federation, vc, ledger, r, "train_fetch")
-            task = TrainTask(
-                round=r,
-                due=federation.tier_due(vc.state.tier, plan.due),
-                config=train_config,
-                continue_unsynced=plan.continue_unsynced,
-                seed=derive_seed(config.seed, r, cid),
-                strategy=control,
-                server_control=None
-                if server_control is None
-                else _send(server_control, ledger, r, cid, "train_fetch", owner),
-                local=federation.local_tier_tensors(vc.state.tier),
-            )
-            if ledger.total(round_=r, client_id=cid, category="train_fetch") > moved:  # model and control: one fetch
-                ledger.transfer(r, cid, "train_fetch")
-            push = run_task(vc.state, tier_spec, task, vc.train, personal_atoms=config.personal_atoms)
-            delta = push.control_delta
-            federation.fold(
-                ClientUpdate(
-                    client_id=cid,
-                    num_samples=push.num_samples,
-                    tier=vc.state.tier,
-                    spec=tier_spec,
-                    tensors=_send(push.tensors, ledger, r, cid, "push", owner),
-                    control_delta=None if delta is None else _send(delta, ledger, r, cid, "push", owner),
-                    metrics=push.metrics,
+    try:
+        for r in range(1, config.rounds + 1):
+            t0 = time.perf_counter()
+            plan = federation.plan(r, pool.client_ids)
+            federation.begin(plan)
+            # one round's: its record reads it, then it is dropped
+            ledger = BandwidthLedger(fp16=config.fp16, fedavg_bytes=fedavg_bytes)
+            for done in pool.train(federation, plan, train_config):  # in cohort order: sorted client ids
+                cid, push = done.client_id, done.push
+                account(ledger, r, cid, "train_fetch", done.fetched)  # model and control: one fetch
+                federation.fold(
+                    ClientUpdate(
+                        client_id=cid,
+                        num_samples=push.num_samples,
+                        tier=done.tier,
+                        spec=federation.tier_spec(done.tier),
+                        tensors=push.tensors,
+                        control_delta=push.control_delta,
+                        metrics=push.metrics,
+                    )
                 )
-            )
-            if ledger.total(round_=r, client_id=cid, category="push"):
-                ledger.transfer(r, cid, "push")
-        outcome = federation.close()
-        # as an agent does once the round closed: fetch the new model (bytes count toward this round, as an
-        # evaluation fetch), evaluate it; the next round trains on it without fetching again
-        evaluations = []
-        for cid in plan.cohort:
-            vc = by_id[cid]
-            tier_spec, _ = _fetch(federation, vc, ledger, r, "eval_fetch")
-            if ledger.total(round_=r, client_id=cid, category="eval_fetch"):
-                ledger.transfer(r, cid, "eval_fetch")
-            evaluations.append(evaluate_client(vc.state, tier_spec, vc.test))
-        record = _round_record(config, federation, outcome, test, evaluations, ledger)
-        record["fedavg_equivalent_bytes"] = ledger.fedavg_equivalent(round_=r)
-        record["wall_seconds"] = round(time.perf_counter() - t0, 4)
-        accumulate(record, totals)
-        records.append(record)
-        if progress is not None:
-            progress(record)
+                account(ledger, r, cid, "push", done.pushed)
+            outcome = federation.close()
+            # as an agent does once the round closed: fetch the new model (bytes count toward this round, as an
+            # evaluation fetch), evaluate it; the next round trains on it without fetching again
+            evaluations = []
+            for cid, moved, evaluation in pool.evaluate(federation, plan.cohort):
+                account(ledger, r, cid, "eval_fetch", moved)
+                evaluations.append(evaluation)
+            record = _round_record(config, federation, outcome, test, evaluations, ledger)
+            record["fedavg_equivalent_bytes"] = ledger.fedavg_equivalent(round_=r)
+            record["wall_seconds"] = round(time.perf_counter() - t0, 4)
+            faults = pool.faults.pop(r, None)
+            if faults:  # an actor died this round (Ray engine): which clients were retried, which dropped out
+                record["faults"] = faults
+            accumulate(record, totals)
+            records.append(record)
+            if progress is not None:
+                progress(record)
+    finally:
+        pool.close()
     summary = summarize(records, totals, time.perf_counter() - started)
     return {"config": config.to_dict(), "rounds": records, "summary": summary}
+
+
+def _client_engine(config: SimulationConfig, train: ArrayDataset, test: ArrayDataset) -> Any:
+    """Where the virtual clients train: this process (``local``), or Ray actors (``ray``)."""
+    if config.engine == "ray":
+        from fedatoms.engines.ray_engine import RayClients
+
+        return RayClients(config)
+    clients = config.population().clients(train, test)
+    return LocalClients(clients, config.seed, config.fp16, config.personal_atoms)
 
 
 def _round_record(
@@ -259,39 +279,6 @@ def _round_record(
     if config.personal_atoms:
         record["personalized_accuracy"] = mean_or_none(personal_acc)
     return record
-
-
-def _fetch(
-    federation: Federation, vc: VirtualClient, ledger: BandwidthLedger, round_: int, category: str
-) -> tuple[ModelSpec, dict[str, str]]:
-    """FetchModel, in process: the tensors newer than the client holds go through the codec into its state."""
-    tier_spec = federation.tier_spec(vc.state.tier)
-    owner = tier_spec.owners
-    fetched = federation.fetch(vc.state.tier, vc.state.versions)
-    received = _send({n: t for n, (t, _) in fetched.items()}, ledger, round_, vc.client_id, category, owner)
-    vc.state.receive({n: (received[n], v) for n, (_, v) in fetched.items()})
-    return tier_spec, owner
-
-
-def _send(
-    tensors: Mapping[str, torch.Tensor],
-    ledger: BandwidthLedger,
-    round_: int,
-    client_id: str,
-    category: str,
-    owner: Mapping[str, str],
-) -> dict[str, torch.Tensor]:
-    """The in-process transport: every tensor goes through the wire codec, and its encoded bytes are
-    counted toward the full-rank tensor it belongs to (a factor pair counts toward what it rebuilds)."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        encoded = encode(tensor, fp16=ledger.fp16, name=name)
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        out[name] = torch.from_numpy(
-            decode(name, encoded.dtype, encoded.shape, encoded.data, expected_shape=encoded.shape, expected_dtype=dtype)
-        )
-        ledger.record(round_, client_id, category, owner.get(name, name), encoded.nbytes)
-    return out
 
 
 def write_results(results: Mapping[str, Any], path: str | Path) -> None:

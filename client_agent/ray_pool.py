@@ -1,0 +1,259 @@
+"""Virtual clients as Ray actors: the Ray engine's client pools, on one machine or a cluster.
+
+An actor (:class:`ClientHost`) is one client-sized slot of :mod:`client_agent.ray_placement`:
+it holds a fixed set of virtual clients of one tier — their data shards and their state — and
+either trains and evaluates them on request (the in-process transport: the driver aggregates)
+or runs them as real :class:`client_agent.agent.Agent` s speaking gRPC to an aggregator
+(:func:`run_ray_grpc_pool`, the same :func:`client_agent.pool.run_worker` a local worker
+process runs).
+
+A local Ray (no address) is started with the dashboard off and stopped at the end
+(:func:`ray_session`); with an address the run joins that cluster and leaves it running.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from client_agent.pool import (
+    InProcessPush,
+    Moved,
+    Population,
+    VirtualClient,
+    WorkerJob,
+    evaluate_in_process,
+    run_worker,
+    state_dir,
+    train_in_process,
+)
+from client_agent.ray_placement import Slot, parse_resources, place
+from client_agent.update import ClientEvaluation, TrainTask
+from fedcore.spec import ModelSpec
+
+__all__ = ["ActorLost", "ClientHost", "ClientHosts", "ray_session", "run_ray_grpc_pool"]
+
+log = logging.getLogger("fedatoms.ray")
+
+
+@contextmanager
+def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iterator[None]:
+    """Join the Ray cluster at ``address``, or start a local one (``num_cpus``, all by default) and stop it after.
+
+    A Ray this process already started is used as it is and left running (tests share one).
+    """
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+    else:
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count() or 1,
+            include_dashboard=False,  # no dashboard, no port for it
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+class ClientHost:
+    """A Ray actor's body: some virtual clients of one tier, built lazily from the population's recipe."""
+
+    def __init__(self, population: Population, indices: Sequence[int], torch_threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+        self.population, self.indices, self.torch_threads = population, tuple(indices), torch_threads
+        self._clients: dict[str, VirtualClient] | None = None
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _client(self, client_id: str) -> VirtualClient:
+        if self._clients is None:
+            built = self.population.build()
+            self._clients = {built[i].client_id: built[i] for i in self.indices}
+        return self._clients[client_id]
+
+    def train(
+        self,
+        client_id: str,
+        spec: ModelSpec,
+        task: TrainTask,
+        tensors: Mapping[str, Tensor],
+        versions: Mapping[str, int],
+        fp16: bool,
+        personal_atoms: bool,
+    ) -> InProcessPush:
+        """``versions``: the tensors of ``tensors`` (the tier's global model) newer than the client holds."""
+        fetched = {n: (tensors[n], v) for n, v in versions.items()}
+        return train_in_process(self._client(client_id), spec, task, fetched, fp16=fp16, personal_atoms=personal_atoms)
+
+    def evaluate(
+        self, client_id: str, spec: ModelSpec, tensors: Mapping[str, Tensor], versions: Mapping[str, int], fp16: bool
+    ) -> tuple[Moved, ClientEvaluation]:
+        fetched = {n: (tensors[n], v) for n, v in versions.items()}
+        return evaluate_in_process(self._client(client_id), spec, fetched, fp16=fp16)
+
+    def run_agents(self, job: WorkerJob, credentials: Mapping[int, Any]) -> dict[str, int]:
+        """Run the job's clients as real agents until the federation is done.
+
+        ``credentials`` (index → :class:`client_agent.agent.Credentials`, registered by the driver in
+        index order) are written into this node's state root, which need not be shared with the driver.
+        """
+        from client_agent.agent import CREDENTIALS_FILE
+
+        for i, creds in credentials.items():
+            if not (state_dir(job.state_root, i) / CREDENTIALS_FILE).exists():
+                creds.save(state_dir(job.state_root, i))
+        return run_worker(job)
+
+
+@dataclass(frozen=True)
+class ActorLost:
+    """A call whose actor died: the slot it was on, and the actor generation that died."""
+
+    slot: int
+    generation: int
+    cause: str
+
+
+class ClientHosts:
+    """The actors of one run, one per :class:`Slot`; a dead actor is replaced (fresh state) when asked."""
+
+    def __init__(self, population: Population, resources: Mapping[str, Any] | None, torch_threads: int) -> None:
+        import ray
+
+        self.population, self.torch_threads = population, torch_threads
+        tiers = parse_resources(resources, population.tiers)
+        client_tiers = [population.tiers[i % len(population.tiers)] for i in range(population.num_clients)]
+        self.slots: list[Slot] = place(client_tiers, tiers, ray.cluster_resources())
+        self.slot_of: dict[int, int] = {i: s for s, slot in enumerate(self.slots) for i in slot.indices}
+        self.generation = [0] * len(self.slots)
+        self.actors = [self._start(s) for s in range(len(self.slots))]
+
+    def _start(self, s: int) -> Any:
+        import ray
+
+        slot = self.slots[s]
+        cls = ray.remote(ClientHost).options(**slot.resources.actor_options(), max_restarts=0)
+        return cls.remote(self.population, slot.indices, self.torch_threads)
+
+    def pids(self) -> list[int]:
+        import ray
+
+        return ray.get([a.pid.remote() for a in self.actors])
+
+    def call(self, index: int, method: str, *args: Any) -> tuple[int, int, Any]:
+        """Submit ``method`` for client ``index``; ``(slot, generation, ref)`` to :meth:`result`."""
+        s = self.slot_of[index]
+        return s, self.generation[s], getattr(self.actors[s], method).remote(*args)
+
+    def result(self, pending: tuple[int, int, Any]) -> Any:
+        """The call's value, or :class:`ActorLost` after replacing the actor that died under it."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        s, generation, ref = pending
+        try:
+            return ray.get(ref)
+        except RayActorError as exc:
+            self.replace(s, generation)
+            return ActorLost(s, generation, type(exc).__name__)
+
+    def replace(self, s: int, generation: int) -> bool:
+        """Start a new actor for slot ``s`` unless generation ``generation`` was replaced already."""
+        if self.generation[s] != generation:
+            return False
+        import ray
+
+        ray.kill(self.actors[s], no_restart=True)  # it is dead, or must be: its clients move to the new one
+        self.generation[s] += 1
+        self.actors[s] = self._start(s)
+        log.warning(
+            "event=actor_replaced slot=%d generation=%d clients=%d", s, self.generation[s], len(self.slots[s].indices)
+        )
+        return True
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+
+
+def run_ray_grpc_pool(
+    target: str,
+    population: Population,
+    state_root: str | Path,
+    *,
+    resources: Mapping[str, Any] | None = None,
+    node_state_root: str | None = None,
+    tls_ca: str | None = None,
+    poll: Callable[[], None] | None = None,
+    on_replaced: Callable[[Sequence[int]], None] | None = None,
+    eval_poll_seconds: float = 0.02,
+    torch_threads: int = 1,
+    keep_state: bool = True,
+    max_replacements: int = 3,
+) -> dict[str, int]:
+    """:func:`client_agent.pool.run_grpc_pool` on Ray: each actor runs its slot's clients as real agents.
+
+    The clients must be registered already (:func:`client_agent.pool.register_all` under
+    ``state_root``); their credentials travel to the actors, whose agents keep their state under
+    ``node_state_root`` (default: ``state_root``, which must then be valid on every node). An actor
+    that dies is replaced and its agents start again from what their state directory holds (a
+    restarted device: it asks for its task, fetches, trains and pushes the open round again);
+    ``on_replaced`` hears the client indices. A slot replaced more than ``max_replacements`` times
+    fails the run.
+    """
+    import ray
+    from ray.exceptions import RayActorError
+
+    from client_agent.agent import Credentials
+
+    hosts = ClientHosts(population, resources, torch_threads)
+    root = str(node_state_root or state_root)
+
+    def submit(s: int) -> Any:
+        slot = hosts.slots[s]
+        job = WorkerJob(target, population, slot.indices, root, tls_ca, torch_threads, eval_poll_seconds, keep_state)
+        creds = {i: Credentials.load(state_dir(state_root, i)) for i in slot.indices}
+        return hosts.actors[s].run_agents.remote(job, creds)
+
+    running = {submit(s): (s, 0) for s in range(len(hosts.slots))}
+    results: dict[str, int] = {}
+    replaced = [0] * len(hosts.slots)
+    try:
+        while running:
+            done, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
+            for ref in done:
+                s, generation = running.pop(ref)
+                try:
+                    results.update(ray.get(ref))  # re-raises an agent's exception here
+                except RayActorError:
+                    replaced[s] += 1
+                    if replaced[s] > max_replacements:
+                        raise
+                    hosts.replace(s, generation)
+                    if on_replaced is not None:
+                        on_replaced(hosts.slots[s].indices)
+                    running[submit(s)] = (s, hosts.generation[s])
+            if poll is not None:
+                poll()
+    finally:
+        hosts.close()
+    return results
