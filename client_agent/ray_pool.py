@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -143,13 +144,15 @@ class ClientHosts:
         self.slots: list[Slot] = place(client_tiers, tiers, ray.cluster_resources())
         self.slot_of: dict[int, int] = {i: s for s, slot in enumerate(self.slots) for i in slot.indices}
         self.generation = [0] * len(self.slots)
+        self.run_id = uuid.uuid4().hex[:8]  # actors are named fedatoms-<run>-slot<s>-g<generation>
         self.actors = [self._start(s) for s in range(len(self.slots))]
 
     def _start(self, s: int) -> Any:
         import ray
 
         slot = self.slots[s]
-        cls = ray.remote(ClientHost).options(**slot.resources.actor_options(), max_restarts=0)
+        name = f"fedatoms-{self.run_id}-slot{s}-g{self.generation[s]}"
+        cls = ray.remote(ClientHost).options(**slot.resources.actor_options(), max_restarts=0, name=name)
         return cls.remote(self.population, slot.indices, self.torch_threads)
 
     def pids(self) -> list[int]:

@@ -42,13 +42,15 @@ def run_grpc_simulation(
     database_url: str | None = None,
     enrollment_secret: str | None = None,
     federation_name: str = "default",
-    workers: int = 2,
+    workers: int | None = None,
     state_dir: str | None = None,
     tls_ca: str | None = None,
     announce: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Run the federation through gRPC; returns ``{"config", "rounds", "summary"}`` like the in-process run."""
     say = announce or (lambda text: print(text, file=sys.stderr))
+    if workers is not None and config.engine == "ray":
+        raise ValueError("--workers is the local engine's; with --engine ray, [simulation.resources] places clients")
     if config.download:
         from fedcore.data import load_dataset
 
@@ -84,6 +86,7 @@ def run_grpc_simulation(
     say(f"client state: {root}")
     pop = config.population()
     seen: set[int] = set()
+    faults: dict[int, list[dict[str, Any]]] = {}
 
     reader = store.create_engine_for(database_url, sqlite_begin="DEFERRED")  # reads: never wait for the aggregator
 
@@ -98,17 +101,38 @@ def run_grpc_simulation(
 
     try:
         keep_state = state_dir is not None  # a temporary root is never resumed from: spare the writes
-        register_all(target, pop, pop.build(), enrollment_secret, root, tls_ca, keep_state)
-        run_grpc_pool(
-            target,
-            pop,
-            root,
-            workers=workers,
-            tls_ca=tls_ca,
-            poll=poll,
-            torch_threads=config.threads,
-            keep_state=keep_state,
-        )
+        ids = register_all(target, pop, pop.build(), enrollment_secret, root, tls_ca, keep_state)
+        if config.engine == "ray":
+            from client_agent.ray_pool import run_ray_grpc_pool
+
+            def replaced(indices: Any) -> None:  # agents restarted: the open round's record says so
+                open_round = _last_closed(reader, federation_name) + 1
+                faults.setdefault(open_round, []).extend(
+                    {"client": ids[i], "phase": "agent", "outcome": "retried", "cause": "actor died"} for i in indices
+                )
+
+            run_ray_grpc_pool(
+                target,
+                pop,
+                root,
+                resources=config.resources,
+                tls_ca=tls_ca,
+                poll=poll,
+                on_replaced=replaced,
+                torch_threads=config.threads,
+                keep_state=keep_state,
+            )
+        else:
+            run_grpc_pool(
+                target,
+                pop,
+                root,
+                workers=workers or 2,
+                tls_ca=tls_ca,
+                poll=poll,
+                torch_threads=config.threads,
+                keep_state=keep_state,
+            )
     finally:
         reader.dispose()
         if owned is not None:
@@ -120,6 +144,9 @@ def run_grpc_simulation(
     records = records_from_store(database_url, federation_name)
     if not records:
         raise RuntimeError(f"no round closed in {database_url}")
+    for r in records:
+        if faults.get(r["round"]):
+            r["faults"] = faults[r["round"]]
     for r in records:
         if r["round"] not in seen and progress is not None:
             progress(r)

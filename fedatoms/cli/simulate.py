@@ -38,6 +38,14 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
         choices=["inprocess", "grpc"],
         help="inprocess: direct calls; grpc: a real aggregator and real client agents in worker processes",
     )
+    g.add_argument("--engine", choices=["local", "ray"], help="where virtual clients run: this machine, or Ray actors")
+    g.add_argument("--ray-address", help="with --engine ray: join this Ray cluster [start a local Ray, stop it after]")
+    g.add_argument("--ray-num-cpus", type=int, help="with --engine ray: CPUs of the local Ray [all]")
+    g.add_argument(
+        "--actor-failure",
+        choices=["retry", "dropout"],
+        help="with --engine ray: a dead actor's clients retry the round on its replacement, or drop out of it",
+    )
     g.add_argument("--dataset", help=f"digits (bundled), mnist, fashion-mnist, cifar10, cifar100 [{defaults.dataset}]")
     g.add_argument("--data-dir", help="where torchvision datasets live")
     g.add_argument("--download", action="store_true", default=None, help="let torchvision download missing data")
