@@ -10,7 +10,7 @@ Runs, each engine in a process of its own (the Ray one starts a local Ray with `
 - The Ray driver's peak RSS (``ru_maxrss``) after in-process runs of 100, then 1,000 clients,
   and after the gRPC run (whose driver also hosts the aggregator).
 - 10 clients, fraction 1, digits-cnn (about 150k parameters), one SGD step each on its shard
-  (batch size above the shard, ``lr = 0``: next to no training work), 5 rounds: per-round
+  (batch size above the shard, ``lr = 1e-9``: next to no training work), 5 rounds: per-round
   time. Flower's Ray engine takes 0.21 s for a round of this shape on the reference machine.
 
 ``python benchmarks/ray_engine.py`` (add ``--cpus N``); ``nice`` it on a shared machine.
@@ -31,7 +31,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 BIG: dict[str, Any] = dict(dataset="digits", clients=1000, fraction=0.1, rounds=5, partition="iid", seed=0)
 SHAPE: dict[str, Any] = dict(
-    dataset="digits", clients=10, fraction=1.0, rounds=5, partition="iid", batch_size=1000, lr=0.0, seed=0
+    dataset="digits", clients=10, fraction=1.0, rounds=5, partition="iid", batch_size=1000, lr=1e-9, seed=0
 )
 
 
@@ -110,7 +110,7 @@ def main() -> None:
         f"after gRPC (driver with the aggregator); local engine: {local['peak_mb_1000']:.0f} MB in process"
     )
     print(
-        f"10 clients, digits-cnn ({params / 1e3:.0f}k parameters), one lr=0 step each: "
+        f"10 clients, digits-cnn ({params / 1e3:.0f}k parameters), one tiny-lr step each: "
         f"ray {ray_['shape']:.3f} s/round, local {local['shape']:.3f} s/round (Flower's Ray engine: 0.21 s)"
     )
     print(f"  per round, ray: {', '.join(f'{s:.3f}' for s in ray_['shape_rounds'])}")
