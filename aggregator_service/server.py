@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -162,7 +163,13 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         client = self._client(context)
         if request.HasField("report"):  # an evaluation sent along: recorded first, or the call fails
             self._record_evaluation(client, request.report)
-        task = self.coordinator.get_task(client)
+        wait = request.wait_seconds
+        if not (math.isfinite(wait) and wait >= 0):
+            raise InvalidArgument(f"GetTaskRequest.wait_seconds must be a finite number of seconds ≥ 0, got {wait}")
+        left = context.time_remaining()
+        if wait > 0 and left is not None:  # answer before the caller's deadline, with a margin for the reply
+            wait = min(wait, left - min(1.0, left / 10))
+        task = self.coordinator.get_task(client, wait)
         if isinstance(task, Train):
             strategy = dict(task.strategy_config)
             if task.local:  # no proto field yet: tensors that never leave the client travel in the strategy JSON
@@ -373,8 +380,9 @@ def build_server(
     Returns ``(server, port, coordinator)``; ``port`` is the bound port (useful with ``:0``).
     """
     coordinator = coordinator or Coordinator.from_settings(settings)
+    # held GetTask calls (long polls) take at most long_poll_waiters threads: the workers stay for the rest
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        futures.ThreadPoolExecutor(max_workers=max_workers + settings.long_poll_waiters, thread_name_prefix="rpc"),
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -489,6 +497,7 @@ def _serve(settings: AggregatorSettings, lock: store.FederationLock) -> int:
             code = 1
             break
     health_servicer.enter_graceful_shutdown()
+    coordinator.shared.stop_waiting()  # held GetTask calls answer now, not at the end of the grace period
     ticker.stop()
     server.stop(grace=10).wait()
     coordinator.flush()

@@ -107,6 +107,7 @@ class Closing:
         self.shared.open = None
         self.decoded.forget()
         self.shared.federation.cohort = ()
+        self.shared.settle()
 
     def _close(self, op: OpenRound, reason: str) -> RoundOutcome:
         shared, plan = self.shared, op.plan
@@ -219,6 +220,7 @@ class Closing:
         """Deadlines: close with the quorum, else extend once, else abandon (the next GetTask resamples)."""
         shared = self.shared
         now = now or shared.clock()
+        shared.refresh_state()
         with shared.lock:
             reason = self._due(now)
             op = shared.open
@@ -230,7 +232,6 @@ class Closing:
     def _due(self, now: datetime) -> str | None:
         """Why the open round must close now, if it must; extends or abandons it otherwise (under the lock)."""
         shared = self.shared
-        shared.refresh_state()
         op = shared.open
         if op is None or op.closing or shared.state != "running":
             return None
