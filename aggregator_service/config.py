@@ -194,6 +194,14 @@ class AggregatorSettings(TomlSettings):
     #: The retry-after a waiting client is told; unset: min(5 s, heartbeat_timeout / 4). Simulations
     #: on one machine set it low so rounds follow each other without idle polling gaps.
     poll_interval_seconds: float | None = Field(default=None, gt=0.0)
+    #: Longest a GetTask long poll (``wait_seconds``) is held while its answer would be Wait; 0: never held.
+    long_poll_seconds: float = Field(default=30.0, ge=0.0)
+    #: Most GetTask calls held at once; each holds a server thread of its own, beyond the workers that
+    #: serve every other call, and a call past this bound is answered at once.
+    long_poll_waiters: int = Field(default=64, ge=1)
+    #: PushUpdate calls received at once (each holds about 2 × its update's bytes until stored); more wait in
+    #: line (at most half the server's workers), and one beyond that is answered UNAVAILABLE (clients retry).
+    max_concurrent_pushes: int = Field(default=1, ge=1)
     #: Largest PushUpdate payload accepted; unset: 2 × the full model's float32 bytes.
     max_push_bytes: int | None = Field(default=None, gt=0)
     #: Largest sample count a client may declare at Register; a push may claim no more than its client

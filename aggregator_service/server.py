@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -24,9 +25,10 @@ from grpc_reflection.v1alpha import reflection
 from torch import Tensor
 
 from aggregator_service import store
+from aggregator_service.admission import Gate
 from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
-from aggregator_service.coordinator import ClientInfo, Coordinator, Done, Train, kv
-from aggregator_service.errors import InvalidArgument, ServiceError, Unauthenticated
+from aggregator_service.coordinator import ClientInfo, Coordinator, Done, OpenRound, PushResult, Train, kv
+from aggregator_service.errors import InvalidArgument, ServiceError, Unauthenticated, Unavailable
 from aggregator_service.logfmt import configure_logging
 from fedcore import codec
 from fedcore.tiers import CapabilityProfile
@@ -91,8 +93,10 @@ def _rpc(fn: _F) -> _F:
 
 
 class AggregatorServicer(pb_grpc.AggregatorServicer):
-    def __init__(self, coordinator: Coordinator, settings: AggregatorSettings) -> None:
+    def __init__(self, coordinator: Coordinator, settings: AggregatorSettings, push_waiters: int = 16) -> None:
         self.coordinator = coordinator
+        # pushes received at once: memory flat in the cohort (a push holds its update until it is stored)
+        self._pushes = Gate(settings.max_concurrent_pushes, push_waiters)
         self.settings = settings
         self.push_limit = settings.push_limit
         self.fp16 = settings.federation.fp16
@@ -162,7 +166,13 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         client = self._client(context)
         if request.HasField("report"):  # an evaluation sent along: recorded first, or the call fails
             self._record_evaluation(client, request.report)
-        task = self.coordinator.get_task(client)
+        wait = request.wait_seconds
+        if not (math.isfinite(wait) and wait >= 0):
+            raise InvalidArgument(f"GetTaskRequest.wait_seconds must be a finite number of seconds ≥ 0, got {wait}")
+        left = context.time_remaining()
+        if wait > 0 and left is not None:  # answer before the caller's deadline, with a margin for the reply
+            wait = min(wait, left - min(1.0, left / 10))
+        task = self.coordinator.get_task(client, wait)
         if isinstance(task, Train):
             strategy = dict(task.strategy_config)
             if task.local:  # no proto field yet: tensors that never leave the client travel in the strategy JSON
@@ -249,6 +259,22 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         if not isinstance(first, pb.PushMessage) or first.WhichOneof("payload") != "header":
             raise InvalidArgument("the first PushMessage must carry the PushHeader (round, update_id, num_samples)")
         header = first.header
+        if not self._pushes.enter():
+            raise Unavailable("the aggregator is receiving other clients' updates: retry the push shortly")
+        try:
+            result, complete = self._receive(header, client, request_iterator)
+        finally:
+            self._pushes.leave()
+        if complete is not None:  # this update completed the round: closed with the update's arrays dropped
+            self.coordinator.close_complete(complete)
+        return pb.PushReply(
+            accepted=result.accepted, duplicate=result.duplicate, round=result.round, message=result.message
+        )
+
+    def _receive(
+        self, header: pb.PushHeader, client: ClientInfo, request_iterator: Iterator[Any]
+    ) -> tuple[PushResult, OpenRound | None]:
+        """Reassemble the update's chunks and store it (inside the push gate); the round it completed, if any."""
         model = codec.Reassembler(max_total_bytes=self.push_limit)
         control: codec.Reassembler | None = None
         tensor_bytes: dict[str, int] = {}
@@ -273,7 +299,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         tensors = model.finish(allow_nonfinite=True)  # the coordinator names NaN/Inf per tensor
         deltas = control.finish(allow_nonfinite=True) if control is not None else None
         nbytes = model.bytes_received + (control.bytes_received if control is not None else 0)
-        result = self.coordinator.push(
+        return self.coordinator.store_update(
             client,
             header.round,
             header.update_id,
@@ -283,9 +309,6 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             deltas,
             nbytes=nbytes,
             tensor_bytes=tensor_bytes,
-        )
-        return pb.PushReply(
-            accepted=result.accepted, duplicate=result.duplicate, round=result.round, message=result.message
         )
 
     @staticmethod
@@ -373,8 +396,9 @@ def build_server(
     Returns ``(server, port, coordinator)``; ``port`` is the bound port (useful with ``:0``).
     """
     coordinator = coordinator or Coordinator.from_settings(settings)
+    # held GetTask calls (long polls) take at most long_poll_waiters threads: the workers stay for the rest
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+        futures.ThreadPoolExecutor(max_workers=max_workers + settings.long_poll_waiters, thread_name_prefix="rpc"),
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -383,7 +407,7 @@ def build_server(
             ("grpc.so_reuseport", 0),
         ],
     )
-    _add_servicer(AggregatorServicer(coordinator, settings), server)
+    _add_servicer(AggregatorServicer(coordinator, settings, push_waiters=max(1, max_workers // 2)), server)
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -489,6 +513,7 @@ def _serve(settings: AggregatorSettings, lock: store.FederationLock) -> int:
             code = 1
             break
     health_servicer.enter_graceful_shutdown()
+    coordinator.shared.stop_waiting()  # held GetTask calls answer now, not at the end of the grace period
     ticker.stop()
     server.stop(grace=10).wait()
     coordinator.flush()

@@ -30,7 +30,7 @@ import torch
 
 from client_agent.pacing import ComputeSlot, RoundWatch
 from client_agent.state import ClientState, PendingUpdate
-from client_agent.transport import AggregatorClient, Unauthenticated, task_from_proto
+from client_agent.transport import LONG_POLL_SECONDS, AggregatorClient, Unauthenticated, task_from_proto
 from client_agent.update import ClientEvaluation, evaluate_client, run_task
 from fedcore.data import ArrayDataset
 from fedcore.spec import ModelSpec
@@ -106,6 +106,7 @@ class Agent:
         keep_state: bool = True,
         round_watch: RoundWatch | None = None,
         defer_evaluation: bool = False,
+        long_poll_seconds: float = LONG_POLL_SECONDS,
     ) -> None:
         self.client = client
         self.state_dir = Path(state_dir)
@@ -137,6 +138,9 @@ class Agent:
         # snapshot of what evaluation reads, at low priority (ComputeSlot.deferred)
         self.defer_evaluation = defer_evaluation
         self._deferred: tuple[int, ClientState] | None = None
+        # GetTask is held by the server up to this long while there is nothing to do (0: plain polls)
+        self.long_poll_seconds = long_poll_seconds
+        self.stop = threading.Event()  # set: a held GetTask ends now (run() and the pool's driver share theirs)
 
     # ------------------------------------------------------------------ identity
 
@@ -213,7 +217,9 @@ class Agent:
                 return 0.0
             return self.eval_poll_seconds
         try:
-            task = self.client.get_task(self._report)
+            # held while nothing is to be done; not while an evaluation waits to run after this answer
+            wait = self.long_poll_seconds if self._deferred is None else 0.0
+            task = self.client.get_task(self._report, wait_seconds=wait, cancel=self.stop)
         except grpc.RpcError as exc:
             code = exc.code()  # type: ignore[attr-defined]
             if self._report is None or code not in (
@@ -389,7 +395,7 @@ class Agent:
 
     def run(self, stop: threading.Event | None = None) -> int:
         """Run until the federation is done (exit code 0), keeping the client online meanwhile."""
-        stop = stop or threading.Event()
+        stop = self.stop = stop or threading.Event()
         beat: threading.Thread | None = None
         try:
             creds = self.ensure_registered()

@@ -286,6 +286,7 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
     stop = threading.Event()
 
     def drive(agent: Agent) -> None:
+        agent.stop = stop
         try:
             while not stop.is_set():
                 delay = agent.step()

@@ -13,6 +13,7 @@ import copy
 import json
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
 __all__ = [
+    "LONG_POLL_SECONDS",
     "MAX_MESSAGE_BYTES",
     "RETRYABLE",
     "AggregatorClient",
@@ -49,6 +51,8 @@ log = logging.getLogger("fedatoms.client")
 
 # the aggregator's limit: chunks carry ≤ 1 MiB, so 4 MiB + headroom is plenty both ways
 MAX_MESSAGE_BYTES = 4 * 2**20 + 64 * 2**10
+#: How long a GetTask may be held by the server while there is nothing to do (a long poll).
+LONG_POLL_SECONDS = 30.0
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
 
 _T = TypeVar("_T")
@@ -227,10 +231,32 @@ class AggregatorClient:
         call = lambda: self.stub.Heartbeat(pb.HeartbeatRequest(), metadata=self._auth, timeout=10)  # noqa: E731
         return self._call("Heartbeat", call) if retry else call()
 
-    def get_task(self, report: pb.EvaluationReport | None = None) -> pb.Task:
-        """The next task; ``report`` (:meth:`evaluation`) is recorded with it, sparing a ReportEvaluation call."""
-        request = pb.GetTaskRequest(report=report) if report is not None else pb.GetTaskRequest()
-        return self._call("GetTask", lambda: self.stub.GetTask(request, metadata=self._auth, timeout=30))
+    def get_task(
+        self,
+        report: pb.EvaluationReport | None = None,
+        wait_seconds: float = 0.0,
+        cancel: threading.Event | None = None,
+    ) -> pb.Task:
+        """The next task; ``report`` (:meth:`evaluation`) is recorded with it, sparing a ReportEvaluation call.
+
+        ``wait_seconds`` > 0 makes it a long poll: the server may hold the call that long while it has
+        nothing for this client, and answers the moment a task is ready (0: at once). The call's deadline
+        leaves the server 10 s beyond that to answer; setting ``cancel`` ends a held call early
+        (answered as a Wait), so a stopping agent does not wait out the hold.
+        """
+        request = pb.GetTaskRequest(report=report, wait_seconds=wait_seconds)
+        timeout = wait_seconds + 10.0
+
+        def call() -> pb.Task:
+            if wait_seconds <= 0 or cancel is None:
+                return self.stub.GetTask(request, metadata=self._auth, timeout=timeout)
+            future = self.stub.GetTask.future(request, metadata=self._auth, timeout=timeout)
+            while not future.done():
+                if cancel.wait(0.2) and future.cancel():
+                    return pb.Task(wait=pb.Task.Wait(reason="stopping: the held call was cancelled"))
+            return future.result()
+
+        return self._call("GetTask", call)
 
     def fetch(
         self,

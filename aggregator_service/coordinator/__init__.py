@@ -14,5 +14,6 @@ from aggregator_service.logfmt import kv
 
 from .answers import ClientInfo, Done, PushResult, Registration, Train, Wait
 from .facade import Coordinator
+from .shared import OpenRound
 
-__all__ = ["ClientInfo", "Coordinator", "Done", "PushResult", "Registration", "Train", "Wait", "kv"]
+__all__ = ["ClientInfo", "Coordinator", "Done", "OpenRound", "PushResult", "Registration", "Train", "Wait", "kv"]

@@ -41,7 +41,6 @@ from fedcore.keys import client_key
 from .ledger import Counts, Ledger
 from .restore import load, split_strategy_state
 from .shared import OpenRound, Shared
-from .uploads import DecodedUpdates
 
 __all__ = ["Closing"]
 
@@ -51,10 +50,9 @@ log = logging.getLogger("fedatoms.aggregator")
 class Closing:
     """Round closes and deadlines; no lock of its own: the open round's ``closing`` mark admits one close."""
 
-    def __init__(self, shared: Shared, ledger: Ledger, decoded: DecodedUpdates) -> None:
+    def __init__(self, shared: Shared, ledger: Ledger) -> None:
         self.shared = shared
         self.ledger = ledger
-        self.decoded = decoded
         self._eval_data: Any = None
         # (round, cause) of the last failed close, and what was done about it; closes never overlap
         self._last_failure: tuple[int, str] | None = None
@@ -103,10 +101,10 @@ class Closing:
                 self._action = "abandoned"
 
     def _forget_open(self) -> None:
-        """The open round is gone (abandoned): no cohort, no decoded updates (under the lock)."""
+        """The open round is gone (abandoned): no cohort (under the lock)."""
         self.shared.open = None
-        self.decoded.forget()
         self.shared.federation.cohort = ()
+        self.shared.settle()
 
     def _close(self, op: OpenRound, reason: str) -> RoundOutcome:
         shared, plan = self.shared, op.plan
@@ -125,7 +123,6 @@ class Closing:
                     # a push that committed after the read must be folded too: fold again
                     refold = rnd.state == "open" and _stored(s, shared.fed_row, plan.round) != folded
                     if not refold:
-                        self.ledger.count_folded(plan.round, folded)
                         drained = self.ledger.write(s)  # the round's metrics sum its transfers
                         store.close_round(
                             s,
@@ -153,7 +150,6 @@ class Closing:
             log.info(kv("round_close_refolded", round=plan.round))
         with shared.lock:
             shared.federation, shared.open = fed, None
-            self.decoded.forget()
             if done:
                 shared.state = "done"
         log.info(
@@ -164,7 +160,6 @@ class Closing:
     def _fold(self, fed: Federation, op: OpenRound) -> set[tuple[str, str]]:
         """Fold the round's stored updates into ``fed``; the (client id, update id) of each folded."""
         shared, plan = self.shared, op.plan
-        decoded = self.decoded.of(plan.round)
         folded: set[tuple[str, str]] = set()
         with Session(shared.reader) as s, s.begin():
             members = {
@@ -178,7 +173,7 @@ class Closing:
             if hasattr(fed.strategy, "num_clients_total"):  # SCAFFOLD's N: clients enrolled now
                 fed.strategy.num_clients_total = max(1, store.count_clients(s, shared.fed_row, include_revoked=False))
             fed.begin(plan)
-            for header, tensors, deltas in store.iter_round_updates(s, shared.fed_row, plan.round, decoded):
+            for header, tensors, deltas in store.iter_round_updates(s, shared.fed_row, plan.round):
                 folded.add((header.client_id, header.update_id))
                 key, tier = members[header.client_id]
                 fed.fold(
@@ -219,6 +214,7 @@ class Closing:
         """Deadlines: close with the quorum, else extend once, else abandon (the next GetTask resamples)."""
         shared = self.shared
         now = now or shared.clock()
+        shared.refresh_state()
         with shared.lock:
             reason = self._due(now)
             op = shared.open
@@ -230,7 +226,6 @@ class Closing:
     def _due(self, now: datetime) -> str | None:
         """Why the open round must close now, if it must; extends or abandons it otherwise (under the lock)."""
         shared = self.shared
-        shared.refresh_state()
         op = shared.open
         if op is None or op.closing or shared.state != "running":
             return None
@@ -273,8 +268,12 @@ def _cause(exc: BaseException) -> str:
 
 
 def _copy(fed: Federation) -> Federation:
-    """An engine to fold into while the live one goes on answering; the spec is immutable and shared."""
-    return copy.deepcopy(fed, {id(fed.spec): fed.spec})
+    """An engine to fold into while the live one goes on answering. The spec is immutable, and a close
+    replaces global tensors, never changes one in place: both are shared, not copied (a model's worth
+    of memory the close would otherwise hold twice)."""
+    memo: dict[int, Any] = {id(fed.spec): fed.spec}
+    memo.update((id(t), t) for t in fed.global_tensors.values())
+    return copy.deepcopy(fed, memo)
 
 
 def _stored(s: Session, fed: store.Federation, round_: int) -> set[tuple[str, str]]:

@@ -23,7 +23,7 @@ from .registry import Registry
 from .restore import load
 from .shared import Shared
 from .tasks import Tasks
-from .uploads import DecodedUpdates, Uploads
+from .uploads import Uploads
 
 __all__ = ["Coordinator"]
 
@@ -46,10 +46,8 @@ class Coordinator:
         self.shared = shared = Shared(settings, factory, clock, enrollment_iterations)
         self.registry = Registry(shared)
         self.ledger = Ledger(shared)
-        decoded = DecodedUpdates()
-        shared.on_reload.append(decoded.forget)
-        self.closing = Closing(shared, self.ledger, decoded)
-        self.uploads = Uploads(shared, self.ledger, decoded, close=self.closing.close)
+        self.closing = Closing(shared, self.ledger)
+        self.uploads = Uploads(shared, self.ledger, close=self.closing.close)
         self.tasks = Tasks(shared)
         self.evaluations = Evaluations(shared)
         # what the servicer calls, each answered by its room
@@ -62,6 +60,8 @@ class Coordinator:
         self.download_round = self.ledger.download_round
         self.record_download = self.ledger.record_download
         self.push = self.uploads.push
+        self.store_update = self.uploads.store
+        self.close_complete = self.uploads.close_complete
         self.report_evaluation = self.evaluations.report_evaluation
         load(shared)
 

@@ -5,9 +5,11 @@ Every byte the service moves is counted here, under its category (``train_fetch`
 FedAvg-equivalent (:func:`aggregator_service.metrics.fedavg_equivalent_bytes`, the rule the
 in-process simulator applies too); the ``transfers`` table it writes is what every surface sums.
 
-A fetch or a push so costs no statements of its own for bandwidth. Counts are written with a
-round's close (its metrics sum its transfers) or by the ticker's next flush; a SIGKILL loses at
-most the counts since the last flush, never an update (updates are committed before the ack).
+A fetch so costs no statements of its own for bandwidth: its count is written with a round's
+close (its metrics sum its transfers) or by the ticker's next flush; a SIGKILL loses at most the
+fetches counted since the last flush. A push's bytes are written in the transaction that stores
+its update (:meth:`Ledger.write_push`), so no kill can separate an aggregated update from its
+bytes, and a retried push (a duplicate) adds nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ __all__ = ["Counts", "Ledger"]
 
 TransferKey = tuple[int, str, str]  # (round, client id, category)
 Counts = Mapping[TransferKey, tuple[int, int, dict[str, int]]]  # → (bytes, transfers, bytes per full-rank tensor)
-UploadKey = tuple[int, str, str]  # (round, client id, update id)
 
 
 class Ledger:
@@ -42,8 +43,6 @@ class Ledger:
         self._lock = threading.Lock()
         # moved since the last write: (round, client id, category) → (bytes, transfers, bytes per full-rank tensor)
         self._counts: dict[TransferKey, tuple[int, int, dict[str, int]]] = {}
-        # pushes between their write and their count: a close that folds one of them counts it
-        self._uploading: dict[UploadKey, tuple[ClientInfo, int, Mapping[str, int]]] = {}
 
     def download_round(self, requested: int | None) -> int:
         """The round a fetch's bytes count toward: ``requested`` (validated), else the open round, else the last."""
@@ -91,26 +90,18 @@ class Ledger:
                 tensors[name] = tensors.get(name, 0) + b
             self._counts[key] = (total + nbytes, transfers + 1, tensors)
 
-    def uploading(self, key: UploadKey, client: ClientInfo, nbytes: int, per_tensor: Mapping[str, int]) -> None:
-        """An upload about to be written: counted by its push after the commit, or by a close that folds it first."""
-        with self._lock:
-            self._uploading[key] = (client, nbytes, per_tensor)
-
-    def uploaded(self, key: UploadKey) -> bool:
-        """Whether the upload is still the push's to count (no close counted it)."""
-        with self._lock:
-            return self._uploading.pop(key, None) is not None
-
-    def count_folded(self, round_: int, folded: set[tuple[str, str]]) -> None:
-        """Count the uploads a close folds whose pushes have not counted them yet.
-
-        A push counts its bytes after its commit; a deadline can close the round in between. The
-        close then counts them itself, so the round's ``bytes_up`` has every update it aggregated.
-        """
-        with self._lock:
-            taken = [self._uploading.pop(k) for k in list(self._uploading) if k[0] == round_ and k[1:] in folded]
-        for client, size, per_tensor in taken:
-            self.count(client, "push", round_, size, per_tensor)
+    def write_push(
+        self, s: Session, client: ClientInfo, round_: int, nbytes: int, per_tensor: Mapping[str, int]
+    ) -> None:
+        """Write one push's bytes in ``s``, the transaction that stores the update: the round's bytes and
+        the updates it aggregates can never disagree, whatever is killed when."""
+        if nbytes <= 0:
+            return
+        spec = self.shared.federation.spec
+        per = self._owners(client.tier, per_tensor)
+        store.record_transfers(
+            s, self.shared.fed_row, [(round_, client.id, "push", nbytes, per, fedavg_equivalent_bytes(spec, 1))]
+        )
 
     def write(self, s: Session) -> Counts:
         """Write the counted transfers in ``s``; returns them, for :meth:`unwrite` after a rollback."""

@@ -79,6 +79,8 @@ class Registry:
             except IntegrityError:
                 if attempt == 4:
                     raise
+        with shared.lock:
+            shared.settle()  # held polls waiting for enough clients look again
         log.info(kv("client_registered", client=client.id, name=client.name, tier=tier))
         return Registration(client.id, token, tier, shared.federation.tier_spec(tier).to_json())
 
@@ -114,6 +116,9 @@ class Registry:
                 f"the token of client {row.id} is bound to the client certificate it registered with "
                 f"(sha256 {row.cert_sha256[:16]}…); this connection presents another (sha256 {cert_sha256[:16]}…)"
             )
+        if now - row.last_seen >= timedelta(seconds=self.shared.settings.heartbeat_timeout_seconds):
+            with self.shared.lock:  # back online: held polls waiting for enough clients look again
+                self.shared.settle()
         due = self._touch(row.id, row.last_seen, now)
         if due:
             with self.shared.factory.begin() as s:

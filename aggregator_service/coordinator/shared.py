@@ -63,6 +63,9 @@ class Shared:
         self._settled = threading.Condition(self.lock)
         self.open: OpenRound | None = None
         self.state = "running"
+        # bumped by every change a long-polling GetTask may be waiting for (:meth:`settle`)
+        self.generation = 0
+        self.stopping = False  # the server shuts down: held calls answer now
         self.on_reload: list[Callable[[], None]] = []  # what must forget the open round when it is reloaded
 
     @contextmanager
@@ -74,19 +77,40 @@ class Shared:
             yield
 
     def settle(self) -> None:
-        """Wake the callers waiting in :meth:`settled` (the caller holds the lock)."""
+        """Wake the callers waiting in :meth:`settled` or :meth:`wait_change` (the caller holds the lock).
+
+        Called whenever what GetTask answers may have changed: a close ended, a round opened or was
+        abandoned, the federation was reloaded, paused, resumed, or a client enrolled.
+        """
+        self.generation += 1
         self._settled.notify_all()
+
+    def wait_change(self, seen: int, timeout: float) -> None:
+        """Wait (the caller holds the lock, released while waiting) until :meth:`settle` ran after the
+        caller read ``generation == seen``, or ``timeout`` seconds passed; then until no close is in flight."""
+        self._settled.wait_for(lambda: self.generation != seen or self.stopping, timeout)
+        while self.open is not None and self.open.closing:
+            self._settled.wait()
+
+    def stop_waiting(self) -> None:
+        """Answer every held call now, and hold none from here on (shutdown)."""
+        with self.lock:
+            self.stopping = True
+            self.settle()
 
     def current_round(self) -> int:
         """The open round, else the last closed (the caller holds the lock)."""
         return self.open.plan.round if self.open else self.federation.round
 
     def refresh_state(self) -> None:
-        """Follow the state another process (the dashboard) may have written."""
-        with self.factory.begin() as s:
-            state = s.scalar(select(store.Federation.state).where(store.Federation.id == self.fed_row.id))
-        if state is not None:
-            self.state = state
+        """Follow the state another process (the dashboard) may have written: read without the write lock
+        (SQLite's reader engine) and outside the shared lock, which is taken only to change it."""
+        with self.reader.connect() as conn:
+            state = conn.execute(select(store.Federation.state).where(store.Federation.id == self.fed_row.id)).scalar()
+        with self.lock:
+            if state is not None and state != self.state:
+                self.state = state
+                self.settle()
 
 
 def client_keys(s: Session, ids: Any) -> dict[str, str]:

@@ -7,6 +7,8 @@ each client's task seeded with ``derive_seed(seed, round, client key)``.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -32,6 +34,7 @@ class Tasks:
 
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
+        self._holds = threading.BoundedSemaphore(max(1, shared.settings.long_poll_waiters))
 
     def heartbeat(self, client: ClientInfo) -> tuple[float, int, int]:
         """``(server time, current round, last closed round)``; authentication refreshed last-seen."""
@@ -40,38 +43,63 @@ class Tasks:
             current, closed = shared.current_round(), shared.federation.round
         return shared.clock().timestamp(), current, closed
 
-    def get_task(self, client: ClientInfo) -> Wait | Train | Done:
+    def get_task(self, client: ClientInfo, wait_seconds: float = 0.0) -> Wait | Train | Done:
+        """The client's task; with ``wait_seconds`` > 0 (a long poll), a Wait is held back until the answer
+        changes or that long (capped at ``long_poll_seconds``).
+
+        The rule that keeps held calls from starving the others: at most ``long_poll_waiters`` calls are
+        held at once (the server's thread pool has that many threads more than its workers); a call
+        past that bound is answered at once, with the usual retry-after.
+        """
+        shared = self.shared
+        wait_seconds = min(wait_seconds, shared.settings.long_poll_seconds)
+        if wait_seconds <= 0 or not self._holds.acquire(blocking=False):
+            with shared.settled():  # a closing round's task depends on whether the close succeeds
+                return self._task(client, self._retry())
+        try:
+            end = time.monotonic() + wait_seconds
+            with shared.settled():
+                while True:
+                    task = self._task(client, 0.0)
+                    remaining = end - time.monotonic()
+                    if not isinstance(task, Wait) or remaining <= 0 or shared.stopping:
+                        return task
+                    shared.wait_change(shared.generation, remaining)
+        finally:
+            self._holds.release()
+
+    def _task(self, client: ClientInfo, retry: float) -> Wait | Train | Done:
+        """The answer now (under the settled lock); a Wait says ``retry`` seconds."""
         shared, config = self.shared, self.shared.config
-        with shared.settled():  # a closing round's task depends on whether the close succeeds
-            fed = shared.federation
-            if shared.state == "done" or fed.round >= config.rounds:
-                return Done(f"federation finished after {fed.round} rounds", fed.round)
-            if shared.state == "paused":
-                return Wait(self._retry(), "federation paused by the operator")
-            if shared.open is None:
-                self._try_open()
-            if shared.open is None:
-                return Wait(self._retry(), f"waiting for at least {config.min_clients} online clients")
-            op, fed = shared.open, shared.federation
-            r = op.plan.round
-            if client.key not in op.plan.cohort:
-                return Wait(self._retry(), f"not selected for round {r}")
-            if client.key in op.reported:
-                return Wait(self._retry(), f"round {r} update received; waiting for the round to close")
-            strategy_config = dict(fed.strategy.client_config())
-            if config.fp16:  # push in fp16 too, as the in-process transport does
-                strategy_config["fp16_transport"] = True
-            return Train(
-                round=r,
-                due=fed.tier_due(client.tier, op.plan.due),
-                train_config=config.train_config(),
-                strategy_config=strategy_config,
-                continue_unsynced=op.plan.continue_unsynced,
-                seed=derive_seed(config.seed, r, client.key),
-                deadline=op.deadline,
-                personal_atoms=config.personal_atoms,
-                local=fed.local_tier_tensors(client.tier),
-            )
+        fed = shared.federation
+        if shared.state == "done" or fed.round >= config.rounds:
+            return Done(f"federation finished after {fed.round} rounds", fed.round)
+        if shared.state == "paused":
+            return Wait(retry, "federation paused by the operator")
+        if shared.open is None:
+            self._try_open()
+        if shared.open is None:
+            return Wait(retry, f"waiting for at least {config.min_clients} online clients")
+        op, fed = shared.open, shared.federation
+        r = op.plan.round
+        if client.key not in op.plan.cohort:
+            return Wait(retry, f"not selected for round {r}")
+        if client.key in op.reported:
+            return Wait(retry, f"round {r} update received; waiting for the round to close")
+        strategy_config = dict(fed.strategy.client_config())
+        if config.fp16:  # push in fp16 too, as the in-process transport does
+            strategy_config["fp16_transport"] = True
+        return Train(
+            round=r,
+            due=fed.tier_due(client.tier, op.plan.due),
+            train_config=config.train_config(),
+            strategy_config=strategy_config,
+            continue_unsynced=op.plan.continue_unsynced,
+            seed=derive_seed(config.seed, r, client.key),
+            deadline=op.deadline,
+            personal_atoms=config.personal_atoms,
+            local=fed.local_tier_tensors(client.tier),
+        )
 
     def _retry(self) -> float:
         settings = self.shared.settings
@@ -102,6 +130,7 @@ class Tasks:
                 load(shared)  # another process opened or changed rounds: follow the database
                 return
         shared.open = OpenRound(plan, deadline, False, ids)
+        shared.settle()  # held polls of the new cohort answer now
         log.info(kv("round_opened", round=plan.round, cohort=len(plan.cohort), due=len(plan.due)))
 
     def fetch(
@@ -128,3 +157,4 @@ class Tasks:
                 raise FailedPrecondition("the federation is done; it cannot be paused or resumed")
             store.set_federation_state(s, shared.fed_row, "paused" if paused else "running")
             shared.state = "paused" if paused else "running"
+            shared.settle()

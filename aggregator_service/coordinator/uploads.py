@@ -1,18 +1,18 @@
-"""Uploads: validating and storing a client's update, late pushes, and the open round's decoded updates.
+"""Uploads: validating and storing a client's update, and late pushes.
 
 An update is written outside the shared lock, so fetches and polls never wait on a commit;
 the store re-checks in its transaction that the round is still open, so a close in between
-refuses the update. It is acknowledged only after its commit.
+refuses the update. It is acknowledged only after its commit. Nothing of it stays in memory
+after that: the close reads the round's updates back from the store one at a time, so the
+service's memory does not grow with the cohort.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -25,48 +25,9 @@ from .answers import ClientInfo, PushResult
 from .ledger import Ledger
 from .shared import OpenRound, Shared
 
-__all__ = ["DecodedUpdates", "Uploads"]
+__all__ = ["Uploads"]
 
 log = logging.getLogger("fedatoms.aggregator")
-
-Arrays = dict[str, np.ndarray]
-
-
-class DecodedUpdates:
-    """The open round's updates as validated, kept so its close need not read back and decode every blob.
-
-    Kept within a memory budget; the store still decides which updates count. Its one lock
-    guards the kept arrays.
-    """
-
-    def __init__(self, budget_bytes: int = 256 * 2**20) -> None:
-        self.budget_bytes = budget_bytes
-        self._lock = threading.Lock()
-        self.kept: dict[tuple[str, str], tuple[Arrays, Arrays | None]] = {}  # (client id, update id) → arrays
-        self._round: int | None = None
-        self._bytes = 0
-
-    def keep(self, round_: int, client_id: str, update_id: str, model: Arrays, deltas: Arrays | None) -> None:
-        size = sum(a.nbytes for a in model.values()) + sum(a.nbytes for a in (deltas or {}).values())
-        with self._lock:
-            if self._round != round_:
-                self._forget()
-                self._round = round_
-            if self._bytes + size <= self.budget_bytes:
-                self.kept[(client_id, update_id)] = (model, deltas)
-                self._bytes += size
-
-    def of(self, round_: int) -> dict[tuple[str, str], tuple[Arrays, Arrays | None]] | None:
-        """A copy of what is kept for ``round_``, or None."""
-        with self._lock:
-            return dict(self.kept) if self._round == round_ else None
-
-    def forget(self) -> None:
-        with self._lock:
-            self._forget()
-
-    def _forget(self) -> None:
-        self.kept, self._round, self._bytes = {}, None, 0
 
 
 class _LatePush(FailedPrecondition):
@@ -76,12 +37,9 @@ class _LatePush(FailedPrecondition):
 class Uploads:
     """PushUpdate; no lock of its own. ``close`` closes a round its push completed (the caller marked it closing)."""
 
-    def __init__(
-        self, shared: Shared, ledger: Ledger, decoded: DecodedUpdates, close: Callable[[OpenRound, str], None]
-    ) -> None:
+    def __init__(self, shared: Shared, ledger: Ledger, close: Callable[[OpenRound, str], None]) -> None:
         self.shared = shared
         self.ledger = ledger
-        self.decoded = decoded
         self._close = close
         self._declared: dict[str, int] = {}  # client id → num_samples it registered with (never changes)
 
@@ -107,6 +65,31 @@ class Uploads:
         tensor_bytes: Mapping[str, int] | None = None,
     ) -> PushResult:
         """Validate and store one update; acknowledged only after the commit. Closes the round when complete."""
+        result, complete = self.store(
+            client, round_, update_id, num_samples, metrics, tensors, control_delta, nbytes, tensor_bytes
+        )
+        if complete is not None:
+            self.close_complete(complete)
+        return result
+
+    def close_complete(self, op: OpenRound) -> None:
+        """Close the round :meth:`store` found complete (and marked closing)."""
+        self._close(op, "cohort_complete")
+
+    def store(
+        self,
+        client: ClientInfo,
+        round_: int,
+        update_id: str,
+        num_samples: int,
+        metrics: Mapping[str, float],
+        tensors: Mapping[str, Any],
+        control_delta: Mapping[str, Any] | None = None,
+        nbytes: int | None = None,
+        tensor_bytes: Mapping[str, int] | None = None,
+    ) -> tuple[PushResult, OpenRound | None]:
+        """:meth:`push` without the close: the result, and the round to close (marked closing) when this update
+        completed it. The caller drops the update's arrays before it closes the round."""
         shared = self.shared
         clean_metrics = check_header(update_id, num_samples, metrics)
         allowed = self._declared_samples(client.id) or shared.settings.max_client_samples
@@ -131,7 +114,7 @@ class Uploads:
                 due = fed.tier_due(client.tier, op.plan.due)
                 scaffold = bool(fed.strategy.client_config().get("scaffold"))
         except _LatePush as late:  # answered outside the lock: it writes
-            return self._refuse_late(client, round_, update_id, late)
+            return self._refuse_late(client, round_, update_id, late), None
         model, deltas = check_tensors(spec, round_, due, tensors, control_delta, scaffold=scaffold)
         size = nbytes if nbytes is not None else sum(a.nbytes for a in [*model.values(), *(deltas or {}).values()])
         if tensor_bytes is None:
@@ -140,7 +123,7 @@ class Uploads:
                 tensor_bytes[n] = tensor_bytes.get(n, 0) + a.nbytes
 
         def write(s: Session) -> bool:
-            return store.store_update(
+            duplicate = store.store_update(
                 s,
                 shared.fed_row,
                 round_,
@@ -152,21 +135,18 @@ class Uploads:
                 deltas,
                 finite=True,  # check_tensors refused NaN and Inf
             )[1]
+            if not duplicate:  # its bytes in the same transaction: a kill loses both or neither
+                self.ledger.write_push(s, client, round_, size, tensor_bytes)
+            return duplicate
 
-        upload = (round_, client.id, update_id)
-        self.ledger.uploading(upload, client, size, tensor_bytes)
         try:
             duplicate = shared.writes.run(write)
         except store.UpdateConflict as exc:
             raise FailedPrecondition(f"{exc}; a retry must reuse the original update_id") from exc
         except store.RoundStateError as exc:  # the round closed after the checks above: late after all
-            return self._refuse_late(client, round_, update_id, FailedPrecondition(f"{exc}: poll GetTask"))
+            return self._refuse_late(client, round_, update_id, FailedPrecondition(f"{exc}: poll GetTask")), None
         except (store.NotInCohort, store.NotFound) as exc:
             raise FailedPrecondition(f"{exc}: poll GetTask for the current task") from exc
-        finally:
-            uncounted = self.ledger.uploaded(upload)  # else a close counted it
-        if not duplicate and uncounted:
-            self.ledger.count(client, "push", round_, size, tensor_bytes)
         log.info(
             kv("update_stored", round=round_, client=client.id, duplicate=duplicate, tensors=len(model), bytes=size)
         )
@@ -175,14 +155,10 @@ class Uploads:
             now_open = shared.open  # the same round, or a reload of it, unless it closed (with this update:
             if now_open is not None and now_open.plan.round == round_:  # it committed first) or was abandoned
                 now_open.reported.add(client.key)
-                if not duplicate:
-                    self.decoded.keep(round_, client.id, update_id, model, deltas)
                 if not now_open.closing and now_open.reported.issuperset(now_open.plan.cohort):
                     now_open.closing, complete = True, now_open
-        if complete is not None:
-            self._close(complete, "cohort_complete")
         note = "duplicate of an update already stored" if duplicate else f"stored {len(model)} tensors, {size} bytes"
-        return PushResult(True, duplicate, round_, note)
+        return PushResult(True, duplicate, round_, note), complete
 
     def _refuse_late(self, client: ClientInfo, round_: int, update_id: str, refusal: FailedPrecondition) -> PushResult:
         """A push for a round that is not open: a retry of an update that round consumed is a duplicate (its

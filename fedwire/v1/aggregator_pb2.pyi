@@ -86,10 +86,12 @@ class HeartbeatReply(_message.Message):
     def __init__(self, server_time_unix: _Optional[float] = ..., current_round: _Optional[int] = ..., last_closed_round: _Optional[int] = ...) -> None: ...
 
 class GetTaskRequest(_message.Message):
-    __slots__ = ("report",)
+    __slots__ = ("report", "wait_seconds")
     REPORT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     report: EvaluationReport
-    def __init__(self, report: _Optional[_Union[EvaluationReport, _Mapping]] = ...) -> None: ...
+    wait_seconds: float
+    def __init__(self, report: _Optional[_Union[EvaluationReport, _Mapping]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("wait", "train", "done")

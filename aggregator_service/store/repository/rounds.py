@@ -324,14 +324,11 @@ def iter_round_updates(
     session: Session,
     fed: Federation,
     round: int,
-    decoded: Mapping[tuple[str, str], tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]] | None = None,
 ) -> Iterator[tuple[Update, dict[str, np.ndarray], dict[str, np.ndarray] | None]]:
     """The round's updates one by one, in registration order: ``(header, tensors, control_delta or None)``.
 
     Only the headers are read up front (detached from the session); each update's blobs are
     fetched when it is reached, so memory stays O(one update) however many clients reported.
-    ``decoded`` maps ``(client_id, update_id)`` to the arrays an update was stored from, kept by
-    the caller: those updates are not read back. The stored rows still decide which updates count.
     """
     u, c, t = Update.__table__, Client.__table__, UpdateTensor.__table__
     conn = session.connection()  # Core reads: a close reads every update of the round
@@ -348,14 +345,6 @@ def iter_round_updates(
         .order_by(t.c.kind, t.c.name)
     )
     for row in headers:
-        hit = decoded.get((row.client_id, row.update_id)) if decoded else None
-        if hit is not None:  # in the blobs' order, (kind, name)
-            yield (
-                Update(**dict(zip(fields, row, strict=True))),
-                dict(sorted(hit[0].items())),
-                dict(sorted(hit[1].items())) if hit[1] else None,
-            )
-            continue
         model: dict[str, np.ndarray] = {}
         deltas: dict[str, np.ndarray] = {}
         for kind, name, dtype, shape, data in conn.execute(blobs, {"pk": row.id}):
