@@ -201,7 +201,9 @@ class AggregatorSettings(TomlSettings):
     long_poll_waiters: int = Field(default=64, ge=1)
     #: PushUpdate calls received at once (each holds about 2 × its update's bytes until stored); more wait in
     #: line (at most half the server's workers), and one beyond that is answered UNAVAILABLE (clients retry).
-    max_concurrent_pushes: int = Field(default=1, ge=1)
+    #: Several, not one: a device on a slow link holds its slot for the whole upload, and must not stall
+    #: everyone else's; lower it to bound the aggregator's memory, raise it for many fast uploaders.
+    max_concurrent_pushes: int = Field(default=8, ge=1)
     #: Largest PushUpdate payload accepted; unset: 2 × the full model's float32 bytes.
     max_push_bytes: int | None = Field(default=None, gt=0)
     #: Largest sample count a client may declare at Register; a push may claim no more than its client
