@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from fedcore.layers import AtomConv2d, LowRankConv2d, LowRankLinear, factors_to_matrix
 
-__all__ = ["combine", "control_on", "factor_pairs", "frobenius_penalty", "proximal_penalty"]
+__all__ = ["combine", "control_on", "factor_pairs", "frobenius_penalty", "proximal_penalty", "step_weight"]
 
 
 def factor_pairs(model: nn.Module) -> list[tuple[str, nn.Parameter, nn.Parameter]]:
@@ -88,3 +88,19 @@ def control_on(
             raise ValueError(f"{name}[{key!r}] has shape {tuple(control[key].shape)}, expected {tuple(p.shape)}")
         out[key] = control[key].detach().to(device=device, dtype=p.dtype)
     return out
+
+
+def step_weight(steps: int, lr: float, momentum: float) -> float:
+    """How far ``steps`` SGD steps move a parameter per unit of constant gradient: SCAFFOLD's ``K·η``.
+
+    Option II estimates a client's gradient as ``(x − y_i)/(K·η)``, which holds for plain SGD.
+    With heavy-ball momentum ``β`` (restarted every round, as the local optimizer is) the
+    gradient of step ``s`` of ``K`` moves the parameter by ``η·(1 − β^(K−s+1))/(1 − β)`` in all,
+    so ``x − y_i = Σ_s w_s g_s`` with ``Σ_s w_s = η/(1 − β)·(K − β(1 − β^K)/(1 − β))``; dividing
+    by that sum makes ``c_i⁺`` a weighted mean of the local gradients again. At ``β = 0`` it is
+    ``K·η``; at the papers' ``β = 0.9`` and ``K = 20`` dividing by ``K·η`` instead overstates
+    ``c_i⁺`` six-fold and SCAFFOLD diverges.
+    """
+    if momentum == 0.0:
+        return steps * lr
+    return lr / (1.0 - momentum) * (steps - momentum * (1.0 - momentum**steps) / (1.0 - momentum))

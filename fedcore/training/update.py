@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from fedcore.training.config import LocalResult, TrainConfig
 from fedcore.training.loop import Batches, Dataset, resolve_device, seeded, sgd
 from fedcore.training.personal import atom_names, check_personal_atoms, train_personal
-from fedcore.training.terms import combine, control_on, frobenius_penalty, proximal_penalty
+from fedcore.training.terms import combine, control_on, frobenius_penalty, proximal_penalty, step_weight
 
 __all__ = ["local_update"]
 
@@ -39,7 +39,8 @@ def local_update(
     """One client's round of local training; ``model`` is trained in place on the resolved device.
 
     With ``server_control`` SCAFFOLD (option II) corrects every gradient by ``c − c_i`` and
-    returns ``c_i⁺ = c_i − c + (w_start − w_end)/(K·lr)``. With ``personal_atoms`` the client's
+    returns ``c_i⁺ = c_i − c + (w_start − w_end)/(K·lr)``, with ``K·lr`` the steps' total weight
+    under momentum (:func:`~fedcore.training.terms.step_weight`). With ``personal_atoms`` the client's
     atoms are first trained on a frozen copy of the received model (see
     :func:`~fedcore.training.personal.train_personal_atoms`); the global update that follows
     is unaffected by it.
@@ -90,7 +91,7 @@ def local_update(
 
     control = control_delta = None
     if correction is not None:
-        scale = stats.steps * config.lr
+        scale = step_weight(stats.steps, config.lr, config.momentum)
         control, control_delta = {}, {}
         for n, p in params.items():
             new = c_client[n] - c_server[n] + (start[n] - p.detach()) / scale
