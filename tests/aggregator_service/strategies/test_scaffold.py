@@ -55,7 +55,7 @@ def test_scaffold_with_zero_controls_is_fedavg_and_updates_controls_by_hand() ->
     restored.load_state_dict(scaffold.state_dict())
     assert all(torch.equal(restored.server_control()[n], again[n]) for n in again)
     with pytest.raises(ValueError, match="does not fit"):
-        restored.load_state_dict({"controls": {"head.weight": torch.zeros(3)}})
+        restored.load_state_dict({"server_control": {"head.weight": torch.zeros(3)}})
 
 
 def test_scaffold_server_learning_rate() -> None:
