@@ -32,7 +32,9 @@ class DriftAccumulator(ScaffoldAccumulator):
     uniform: WeightedMean = field(default_factory=WeightedMean)
 
 
-def mean_drift(acc: DriftAccumulator, global_tensors: Mapping[str, Tensor], num_clients_total: int) -> dict[str, Tensor]:
+def mean_drift(
+    acc: DriftAccumulator, global_tensors: Mapping[str, Tensor], num_clients_total: int
+) -> dict[str, Tensor]:
     """``D = (1/N) Σ_{k∈S} (y_k − x)`` per trainable tensor the clients reported, in float64."""
     count = acc.uniform.count
     out = {}

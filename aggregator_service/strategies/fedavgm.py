@@ -42,7 +42,7 @@ class FedAvgM(FedAvg):
         self.server_momentum = float(server_momentum)
         self.momentum = TensorState("momentum")
 
-    def _new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
+    def new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
         if not is_float(current.dtype):
             return mean
         x = current.detach().to(mean64.dtype)

@@ -106,4 +106,3 @@ class FedDyn(FedAvg):
         if unknown:
             raise ValueError(f"unknown FedDyn state keys {sorted(unknown)}")
         self.h.load(state.get("h", {}), trainable_shapes(self.spec) if self.spec is not None else None)
-

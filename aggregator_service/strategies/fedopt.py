@@ -58,7 +58,7 @@ class FedOpt(FedAvg):
     def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
         """``v_t`` from ``v_{t−1}`` and ``Δ_t²`` (float64)."""
 
-    def _new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
+    def new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
         if not is_float(current.dtype):
             return mean
         x = current.detach().to(mean64.dtype)

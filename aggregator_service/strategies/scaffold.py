@@ -132,7 +132,7 @@ class Scaffold(FedAvg):
         super().fold(acc, update)
         acc.controls.add(update.control_delta, 1.0)
 
-    def _new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
+    def new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
         if self.global_lr == 1.0 or not is_float(current.dtype):
             return mean  # η_g = 1 returns FedAvg's value bit for bit
         x = current.detach().to(torch.float64)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-import torch
 from torch import Tensor, nn
 
 from fedcore.training.config import LocalResult, TrainConfig

@@ -212,7 +212,9 @@ def test_scaffold_with_zero_controls_is_plain_sgd() -> None:
     config = cfg(local_epochs=2)
     zeros = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     plain = local_update(copy.deepcopy(model), data, config, seed=2)
-    scaf = local_update(copy.deepcopy(model), data, config, seed=2, server_control=zeros, client_state={"control": zeros})
+    scaf = local_update(
+        copy.deepcopy(model), data, config, seed=2, server_control=zeros, client_state={"control": zeros}
+    )
     assert_same(scaf.tensors, plain.tensors)
     assert scaf.strategy_state is not None and scaf.control_delta is not None
     control = scaf.strategy_state["control"]
