@@ -76,3 +76,16 @@ def test_a_save_replaces_the_file_whole(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == [STATE_FILE]
     back = ClientState.load(tmp_path)
     assert back is not None and back.personal_atoms is None
+
+
+def test_a_state_written_before_strategy_groups_keeps_its_scaffold_control(tmp_path: Path) -> None:
+    """States saved before issue 21 hold SCAFFOLD's c_i as group "control": it loads as strategy state."""
+    import json
+
+    from safetensors.torch import save_file
+
+    meta = {"format": 1, "client_id": "c1", "tier": 1.0, "versions": {}, "rounds_joined": 2, "groups": ["control"]}
+    save_file({"control/a": torch.full((2,), 0.25)}, str(tmp_path / STATE_FILE), metadata={"fedatoms": json.dumps(meta)})
+    back = ClientState.load(tmp_path)
+    assert back is not None and set(back.strategy_state) == {"control"}
+    assert torch.equal(back.strategy_state["control"]["a"], torch.full((2,), 0.25))
