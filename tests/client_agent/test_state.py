@@ -85,7 +85,9 @@ def test_a_state_written_before_strategy_groups_keeps_its_scaffold_control(tmp_p
     from safetensors.torch import save_file
 
     meta = {"format": 1, "client_id": "c1", "tier": 1.0, "versions": {}, "rounds_joined": 2, "groups": ["control"]}
-    save_file({"control/a": torch.full((2,), 0.25)}, str(tmp_path / STATE_FILE), metadata={"fedatoms": json.dumps(meta)})
+    save_file(
+        {"control/a": torch.full((2,), 0.25)}, str(tmp_path / STATE_FILE), metadata={"fedatoms": json.dumps(meta)}
+    )
     back = ClientState.load(tmp_path)
     assert back is not None and set(back.strategy_state) == {"control"}
     assert torch.equal(back.strategy_state["control"]["a"], torch.full((2,), 0.25))
