@@ -18,7 +18,7 @@ from pydantic_settings import SettingsConfigDict
 from aggregator_service.intervals import build_policy
 from aggregator_service.listen import is_loopback, split_listen
 from aggregator_service.rounds import CohortSampler, Federation
-from aggregator_service.strategies import build_strategy
+from aggregator_service.strategies import Setting, accepts, build_strategy, strategy_class
 from aggregator_service.toml_settings import TomlSettings
 from fedcore.spec import ModelSpec
 from fedcore.tiers import TIERS
@@ -53,7 +53,10 @@ class FederationConfig:
     lr: float = FEDERATION_TRAINING.lr
     momentum: float = FEDERATION_TRAINING.momentum
     weight_decay: float = FEDERATION_TRAINING.weight_decay
+    #: a registry name (aggregator_service.strategies.STRATEGIES) or a user's "package.module:Class"
     strategy: str = "fedavg"
+    #: keyword arguments of the strategy's class beyond the keys below, e.g. {"alpha": 0.01} for feddyn
+    strategy_args: dict[str, Any] = field(default_factory=dict)
     mu: float = 0.01
     global_lr: float = 1.0
     weighting: str = "samples"
@@ -90,13 +93,13 @@ class FederationConfig:
                 f"tiers below 1 need --factorization lowrank or atoms-lowrank; with {self.factorization!r} "
                 "every tier would train the same full model"
             )
-        if low and self.strategy == "scaffold":
-            raise ValueError("SCAFFOLD's control variates live in full-rank space: use tiers = [1] with scaffold")
-        if self.strategy == "scaffold" and self.factorization.startswith("atoms") and self.atom_lr == "scaled":
-            raise ValueError(
-                "SCAFFOLD's control variates assume one learning rate for every parameter, and atom_lr = scaled "
-                "gives atoms and coefficients their own: use atom_lr = shared with scaffold and atoms"
-            )
+        if not isinstance(self.strategy_args, dict) or not all(isinstance(k, str) for k in self.strategy_args):
+            raise ValueError(f"strategy_args must be a table of keyword arguments, got {self.strategy_args!r}")
+        refusal = strategy_class(self.strategy).refuse(
+            Setting(self.factorization, tuple(self.tiers), self.interval_policy, self.atom_lr)
+        )
+        if refusal is not None:
+            raise ValueError(f"strategy {self.strategy!r} does not compose with this federation: {refusal}")
         if not math.isinf(self.temperature) and self.weighting != "tier-softmax":
             raise ValueError("--temperature only applies with --weighting tier-softmax")
         if self.interval_policy == "fixed" and self.factorization not in ("atoms", "atoms-lowrank"):
@@ -104,9 +107,12 @@ class FederationConfig:
                 "the fixed policy delays atom coefficients: it needs --factorization atoms or atoms-lowrank"
             )
         self.spec  # noqa: B018  # validates model, classes, factorization and atoms now, not mid-run
+        build_strategy(self.strategy, **self.strategy_params(num_clients_total=1))  # bad arguments fail now
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if not d["strategy_args"]:
+            del d["strategy_args"]  # records and stored configs of federations without any stay as they were
         d["temperature"] = "inf" if math.isinf(self.temperature) else self.temperature
         return d
 
@@ -126,16 +132,23 @@ class FederationConfig:
         )
 
     def strategy_params(self, num_clients_total: int) -> dict[str, Any]:
-        params: dict[str, Any] = {
+        """The strategy's keyword arguments: the federation's own keys its ``__init__`` takes, then strategy_args."""
+        offered: dict[str, Any] = {
             "weighting": self.weighting,
             "temperature": self.temperature,
             "keep_local_buffers": self.keep_local_buffers,
+            "num_clients_total": num_clients_total,
+            "spec": self.spec,
         }
         if self.strategy == "fedprox":
-            params["mu"] = self.mu
+            offered["mu"] = self.mu
         if self.strategy == "scaffold":
-            params.update(global_lr=self.global_lr, num_clients_total=num_clients_total, spec=self.spec)
-        return params
+            offered["global_lr"] = self.global_lr
+        clash = sorted(set(self.strategy_args) & set(offered))
+        if clash:
+            raise ValueError(f"strategy_args {clash} are set by the federation's own keys; set those instead")
+        taken = accepts(strategy_class(self.strategy))
+        return {**{k: v for k, v in offered.items() if k in taken}, **self.strategy_args}
 
     def policy_params(self) -> dict[str, Any]:
         if self.interval_policy == "fixed":

@@ -28,6 +28,7 @@ __all__ = ["STATE_FILE", "ClientState", "PendingUpdate"]
 
 STATE_FILE = "state.safetensors"
 _FORMAT = 1
+_STRATEGY = "strategy."  # group prefix of the strategy state ("strategy.control", …)
 
 
 @dataclass
@@ -52,7 +53,8 @@ class ClientState:
     unsynced: dict[str, Tensor] = field(default_factory=dict)
     local: dict[str, Tensor] = field(default_factory=dict)  # never aggregated (e.g. BN statistics kept local)
     personal_atoms: dict[str, Tensor] | None = None
-    control: dict[str, Tensor] | None = None
+    #: per-client strategy state by group ("control", "gradient", "drift"), one tensor per trainable parameter
+    strategy_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     rounds_joined: int = 0
     pending: PendingUpdate | None = None
     evaluate_round: int | None = None  # pushed for this round: evaluate the model it produces
@@ -79,7 +81,7 @@ class ClientState:
             "unsynced": self.unsynced,
             "local": self.local,
             "personal": self.personal_atoms,
-            "control": self.control,
+            **{f"{_STRATEGY}{g}": values for g, values in self.strategy_state.items()},
             "pending": p.tensors if p else None,
             "pending_delta": p.control_delta if p else None,
         }
@@ -156,7 +158,12 @@ class ClientState:
             unsynced=groups.get("unsynced", {}),
             local=groups.get("local", {}),
             personal_atoms=groups.get("personal"),
-            control=groups.get("control"),
+            strategy_state={
+                # "control": SCAFFOLD's c_i as states before issue 21 wrote it
+                g.removeprefix(_STRATEGY): values
+                for g, values in groups.items()
+                if g.startswith(_STRATEGY) or g == "control"
+            },
             rounds_joined=int(meta["rounds_joined"]),
             evaluate_round=meta.get("evaluate_round"),
             last_round=int(meta.get("last_round", 0)),

@@ -16,6 +16,7 @@ from client_agent.state import ClientState
 from fedcore.data import ArrayDataset
 from fedcore.spec import ModelSpec
 from fedcore.training import TrainConfig, evaluate, local_update, personalized_model
+from fedcore.training.terms import LocalTerms
 
 __all__ = ["ClientEvaluation", "ClientPush", "TrainTask", "evaluate_client", "run_task"]
 
@@ -62,7 +63,8 @@ def run_task(
     model.load_state_dict(state.starting_point(task.continue_unsynced))
     if personal_atoms and state.personal_atoms is None:
         state.personal_atoms = {n: t.clone() for n, t in state.global_tensors.items() if spec.tensor(n).role == "atoms"}
-    server_control = task.server_control if task.strategy.get("scaffold") else None
+    terms = LocalTerms.from_config(task.strategy)
+    server_control = task.server_control if terms.control else None
     bar = (
         tqdm(total=task.config.local_epochs, desc=f"round {task.round}", unit="epoch", leave=False)
         if progress
@@ -74,8 +76,9 @@ def run_task(
             train_data,
             task.config,
             seed=task.seed,
+            terms=terms,
             server_control=server_control,
-            client_control=state.control if server_control is not None else None,
+            client_state={g: state.strategy_state[g] for g in terms.groups if g in state.strategy_state},
             personal_atoms=state.personal_atoms if personal_atoms else None,
             on_epoch=(lambda done, total: bar.update(1)) if bar is not None else None,
         )
@@ -87,8 +90,8 @@ def run_task(
     state.unsynced = {n: t for n, t in result.tensors.items() if n not in due and n not in local}
     if result.personal_atoms is not None:
         state.personal_atoms = result.personal_atoms
-    if result.control is not None:
-        state.control = result.control
+    if result.strategy_state is not None:
+        state.strategy_state.update(result.strategy_state)
     state.rounds_joined += 1
     return ClientPush(
         round=task.round,

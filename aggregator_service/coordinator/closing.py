@@ -39,7 +39,7 @@ from aggregator_service.updates import ClientUpdate
 from fedcore.keys import client_key
 
 from .ledger import Counts, Ledger
-from .restore import load, split_strategy_state
+from .restore import load, save_strategy_groups, split_strategy_state
 from .shared import OpenRound, Shared
 
 __all__ = ["Closing"]
@@ -116,7 +116,7 @@ class Closing:
                 folded = self._fold(fed, op)
                 outcome = fed.close()
                 round_metrics = self._round_metrics(fed, outcome)
-                json_state, strategy_tensors = split_strategy_state(fed.strategy.state_dict())
+                json_state, strategy_groups = split_strategy_state(fed.strategy)
                 done = outcome.round >= shared.config.rounds
                 with shared.factory.begin() as s:
                     rnd = store.lock_round(s, shared.fed_row, plan.round)
@@ -137,9 +137,10 @@ class Closing:
                             transfers=[],
                             strategy_state=json_state,
                             policy_state=fed.policy.state_dict(),
-                            strategy_tensors=strategy_tensors,
+                            strategy_tensors={},
                             next_round=None if done else plan.round + 1,
                         )
+                        save_strategy_groups(s, shared.fed_row, strategy_groups)
             except Exception as exc:
                 self.ledger.unwrite(drained)
                 self._after_failure(plan.round, exc)
@@ -170,7 +171,7 @@ class Closing:
                     )
                 ).all()
             }
-            if hasattr(fed.strategy, "num_clients_total"):  # SCAFFOLD's N: clients enrolled now
+            if hasattr(fed.strategy, "num_clients_total"):  # SCAFFOLD's, FedDyn's, FedDC's N: clients enrolled now
                 fed.strategy.num_clients_total = max(1, store.count_clients(s, shared.fed_row, include_revoked=False))
             fed.begin(plan)
             for header, tensors, deltas in store.iter_round_updates(s, shared.fed_row, plan.round):

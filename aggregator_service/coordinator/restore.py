@@ -19,16 +19,16 @@ from torch import Tensor
 from aggregator_service import store
 from aggregator_service.logfmt import kv
 from aggregator_service.rounds import Federation, RoundPlan
+from aggregator_service.strategies import Strategy
 
 from .shared import OpenRound, Shared, client_keys
 
-__all__ = ["load", "split_strategy_state"]
+__all__ = ["load", "save_strategy_groups", "split_strategy_state"]
 
 log = logging.getLogger("fedatoms.aggregator")
 
 # Keys of the federation config an operator may change between restarts (everything else defines the run).
 _MUTABLE_CONFIG_KEYS = frozenset({"rounds"})
-_STATE_TENSOR_KEY = "controls"  # the strategy-state entry holding tensors (SCAFFOLD's server control)
 
 
 def load(shared: Shared) -> None:
@@ -54,8 +54,8 @@ def load(shared: Shared) -> None:
         if created:
             intervals = fed.policy.intervals()
             store.save_global_tensors(s, row, {n: (t, 0, intervals[n]) for n, t in fed.global_tensors.items()})
-            json_state, tensors = split_strategy_state(fed.strategy.state_dict())
-            store.save_strategy_tensors(s, row, tensors)
+            json_state, groups = split_strategy_state(fed.strategy)
+            save_strategy_groups(s, row, groups)
             store.save_engine_state(s, row, json_state, fed.policy.state_dict(), 0)
         else:
             _restore(s, row, fed)
@@ -75,10 +75,18 @@ def load(shared: Shared) -> None:
     )
 
 
-def split_strategy_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The strategy's state as JSON, and its tensors (stored as blobs)."""
-    tensors = dict(state.get(_STATE_TENSOR_KEY, {}))
-    return {k: v for k, v in state.items() if k != _STATE_TENSOR_KEY}, tensors
+def split_strategy_state(strategy: Strategy) -> tuple[dict[str, Any], dict[str, dict[str, Tensor]]]:
+    """The strategy's state as JSON, and its tensor groups by kind (``Strategy.state_tensors``, stored as blobs)."""
+    state = strategy.state_dict()
+    kinds = set(strategy.state_tensors)
+    groups = {k: dict(state.get(k, {})) for k in strategy.state_tensors}
+    return {k: v for k, v in state.items() if k not in kinds}, groups
+
+
+def save_strategy_groups(s: Session, row: store.Federation, groups: Mapping[str, Mapping[str, Tensor]]) -> None:
+    """Write each tensor group of the strategy's state as strategy tensors of its kind."""
+    for kind, tensors in groups.items():
+        store.save_strategy_tensors(s, row, tensors, kind=kind)
 
 
 def _config_json(shared: Shared) -> dict[str, Any]:
@@ -112,9 +120,10 @@ def _restore(s: Session, row: store.Federation, fed: Federation) -> None:
     if row.policy_state:
         fed.policy.load_state_dict(row.policy_state)
     strategy_state = dict(row.strategy_state or {})
-    controls = store.load_strategy_tensors(s, row)
-    if controls:
-        strategy_state[_STATE_TENSOR_KEY] = {n: torch.from_numpy(a) for n, a in controls.items()}
+    for kind in fed.strategy.state_tensors:
+        tensors = store.load_strategy_tensors(s, row, kind)
+        if tensors:
+            strategy_state[kind] = {n: torch.from_numpy(a) for n, a in tensors.items()}
     if strategy_state:
         fed.strategy.load_state_dict(strategy_state)
     last_closed = s.scalar(

@@ -1,34 +1,53 @@
 """Server-side aggregation strategies, one per module, and the registry that names them.
 
-Adding a strategy (FedDyn, FedDC, …) is one module and one line here: subclass
-:class:`FedAvg` (or :class:`Strategy`), give it a ``name``, return its client
-hyper-parameters from :meth:`~Strategy.client_config`, extend :class:`RoundAccumulator` if it
-needs more running sums (as :class:`Scaffold` does with :class:`ScaffoldAccumulator`),
-override :meth:`~Strategy.fold` to add them and :meth:`~Strategy.finish` to turn the averages
-into the new global values — FedDyn, e.g., keeps a server state ``h`` updated from the mean
-drift and returns ``ȳ − h/α`` — keep that server state in :meth:`~Strategy.state_dict` /
-:meth:`~Strategy.load_state_dict` so it survives a restart, and list the class in
-:data:`STRATEGIES`.
+The API every strategy implements is :class:`~aggregator_service.strategies.base.Strategy`
+(its module docstring lists the hooks); docs/strategies.md walks through a user's own.
+A strategy is named in the federation's config by its registry name (:data:`STRATEGIES`)
+or by reference, ``"package.module:Class"`` (:func:`strategy_class`), and built with the
+keyword arguments of its ``__init__`` (:func:`build_strategy`).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
-from aggregator_service.strategies.base import RoundAccumulator, Strategy
+from aggregator_service.strategies.base import RoundAccumulator, Setting, Strategy
+from aggregator_service.strategies.fedadagrad import FedAdagrad
+from aggregator_service.strategies.fedadam import FedAdam
 from aggregator_service.strategies.fedavg import FedAvg
+from aggregator_service.strategies.fedavgm import FedAvgM
+from aggregator_service.strategies.feddc import FedDC
+from aggregator_service.strategies.feddyn import FedDyn
+from aggregator_service.strategies.fedmedian import FedMedian
+from aggregator_service.strategies.fedopt import FedOpt
 from aggregator_service.strategies.fedprox import FedProx
+from aggregator_service.strategies.fedtrimmedavg import FedTrimmedAvg
+from aggregator_service.strategies.fedyogi import FedYogi
+from aggregator_service.strategies.reference import import_reference, is_reference
 from aggregator_service.strategies.scaffold import Scaffold, ScaffoldAccumulator
 
 __all__ = [
     "STRATEGIES",
+    "FedAdagrad",
+    "FedAdam",
     "FedAvg",
+    "FedAvgM",
+    "FedDC",
+    "FedDyn",
+    "FedMedian",
+    "FedOpt",
     "FedProx",
+    "FedTrimmedAvg",
+    "FedYogi",
     "RoundAccumulator",
     "Scaffold",
     "ScaffoldAccumulator",
+    "Setting",
     "Strategy",
+    "accepts",
     "build_strategy",
+    "strategy_class",
 ]
 
 #: Strategy name (``--strategy``, the federation's config) → class.
@@ -38,16 +57,46 @@ STRATEGIES: dict[str, type[Strategy]] = {
         FedAvg,
         FedProx,
         Scaffold,
+        FedAvgM,
+        FedAdam,
+        FedYogi,
+        FedAdagrad,
+        FedMedian,
+        FedTrimmedAvg,
+        FedDyn,
+        FedDC,
     )
 }
 
 
+def strategy_class(name: str) -> type[Strategy]:
+    """The class a registry name or a ``"package.module:Class"`` reference names."""
+    if name in STRATEGIES:
+        return STRATEGIES[name]
+    if not is_reference(name):
+        raise ValueError(
+            f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)} or give 'package.module:Class'"
+        )
+    cls = import_reference(name)
+    if not (inspect.isclass(cls) and issubclass(cls, Strategy)):
+        raise ValueError(f"strategy {name!r} is not a subclass of aggregator_service.strategies.Strategy")
+    if inspect.isabstract(cls):
+        raise ValueError(f"strategy {name!r} leaves abstract methods unimplemented: {sorted(cls.__abstractmethods__)}")
+    return cls
+
+
+def accepts(cls: type[Strategy]) -> frozenset[str]:
+    """The keyword arguments ``cls.__init__`` takes."""
+    return frozenset(
+        p.name
+        for p in inspect.signature(cls).parameters.values()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    )
+
+
 def build_strategy(name: str, **params: Any) -> Strategy:
-    """Instantiate a registered strategy, e.g. ``build_strategy("fedprox", mu=0.01)``."""
-    try:
-        cls = STRATEGIES[name]
-    except KeyError:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)}") from None
+    """Instantiate a strategy by name or reference, e.g. ``build_strategy("fedprox", mu=0.01)``."""
+    cls = strategy_class(name)
     try:
         return cls(**params)
     except TypeError as exc:

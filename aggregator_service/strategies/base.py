@@ -9,7 +9,34 @@ The round template (plan, fold every reported update, close) lives with the call
     result = strategy.finish(acc, global_tensors)   # new values of the due tensors + metrics
 
 ``fold`` adds one client to streaming float64 accumulators, so closing a round costs
-O(model) memory whatever the number of clients.
+O(model) memory whatever the number of clients (the robust rules, FedMedian and
+FedTrimmedAvg, are the exception: a median needs every client's value).
+
+The hooks, and who calls them (docs/strategies.md has a worked user strategy):
+
+``client_config()``
+    JSON sent with every TRAIN task. The keys :class:`fedcore.training.terms.LocalTerms`
+    reads switch on the client-side terms every fedatoms client runs: ``"scaffold": true``
+    (control variates; the client then fetches :meth:`server_control` and pushes ``Δc_i``),
+    ``"feddyn_alpha"``, ``"feddc_alpha"``. Clients run fedatoms' code, so a strategy chooses
+    among these terms; it cannot ship new client code.
+``server_control(spec)``
+    The server tensors clients need for their terms (SCAFFOLD's ``c``), or ``None``.
+``local_tensors(spec)``
+    Full-rank names never aggregated (they stay on the clients).
+``begin`` / ``fold`` / ``finish``
+    One round, as above. ``finish`` returns the new values of the due tensors.
+``state_dict()`` / ``load_state_dict()``
+    Server state that must survive a restart; written in the round-closing transaction. Entries
+    named in :attr:`state_tensors` are ``{name: Tensor}`` groups, stored as tensor rows (kind =
+    the entry's key); everything else must be JSON. A restarted aggregator calls
+    ``load_state_dict`` with what the last closed round wrote.
+``refuse(setting)``
+    A reason the strategy cannot compose with the federation's factorization, tiers,
+    intervals or step sizes, or ``None``; the federation refuses such a configuration at start.
+``num_clients_total``
+    Optional attribute: when a strategy has it (SCAFFOLD, FedDyn, FedDC divide by ``N``),
+    the service sets it to the clients enrolled before every close.
 """
 
 from __future__ import annotations
@@ -25,7 +52,7 @@ from aggregator_service.updates import AggregateResult, ClientUpdate
 from aggregator_service.weighted_mean import WeightedMean
 from fedcore.spec import ModelSpec
 
-__all__ = ["RoundAccumulator", "Strategy"]
+__all__ = ["RoundAccumulator", "Setting", "Strategy"]
 
 
 @dataclass
@@ -43,10 +70,32 @@ class RoundAccumulator:
     metric_weights: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Setting:
+    """What a strategy composes with: the federation's keys that decide whether its math holds."""
+
+    factorization: str = "none"
+    tiers: tuple[float, ...] = (1.0,)
+    interval_policy: str = "every_round"
+    atom_lr: str = "scaled"
+
+    @property
+    def low_rank(self) -> bool:
+        """Whether some clients train factor pairs (tiers below 1)."""
+        return any(t < 1.0 for t in self.tiers)
+
+
 class Strategy(ABC):
     """A server-side aggregation rule; the caller owns the round template (begin → fold… → finish)."""
 
     name: ClassVar[str]
+    #: Entries of :meth:`state_dict` that are ``{name: Tensor}`` groups (stored as tensor rows).
+    state_tensors: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def refuse(cls, setting: Setting) -> str | None:
+        """Why this strategy cannot run in ``setting``, or ``None`` when it can."""
+        return None
 
     def client_config(self) -> dict[str, Any]:
         """Hyper-parameters clients need for their local update (sent with every TRAIN task)."""
@@ -73,7 +122,7 @@ class Strategy(ABC):
         """New global values of the due tensors, and the round's dispersion metrics."""
 
     def state_dict(self) -> dict[str, Any]:
-        """Server state that must survive a restart (tensors are left for the caller to encode)."""
+        """Server state that must survive a restart (tensor groups named in :attr:`state_tensors`)."""
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -10,7 +10,7 @@ folds each client's effective filters ``α_k × D_k`` to report their dispersion
 ``ᾱ × D̄`` (:mod:`aggregator_service.metrics`).
 
 Other strategies that keep FedAvg's server average subclass :class:`FedAvg` and override
-:meth:`~FedAvg.fold`, :meth:`~FedAvg.finish` or the per-tensor step :meth:`~FedAvg._new_value`.
+:meth:`~FedAvg.fold`, :meth:`~FedAvg.finish` or the per-tensor step :meth:`~FedAvg.new_value`.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class FedAvg(Strategy):
             acc.metric_sums[key] = acc.metric_sums.get(key, 0.0) + update.num_samples * float(value)
             acc.metric_weights[key] = acc.metric_weights.get(key, 0.0) + update.num_samples
 
-    def _new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
+    def new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
         """The new global value from the clients' weighted mean (cast to the tensor's dtype, and in float64).
 
         FedAvg: the mean itself.
@@ -114,7 +114,7 @@ class FedAvg(Strategy):
     def finish(self, acc: RoundAccumulator, global_tensors: Mapping[str, Tensor]) -> AggregateResult:
         means, raw = acc.tensors.mean(), acc.tensors.mean(cast=False)
         tensors = {
-            name: self._new_value(name, means[name], raw[name], global_tensors[name]).to(global_tensors[name].dtype)
+            name: self.new_value(name, means[name], raw[name], global_tensors[name]).to(global_tensors[name].dtype)
             for name in acc.due
             if name in means
         }

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from aggregator_service.strategies.base import RoundAccumulator
+from aggregator_service.strategies.base import RoundAccumulator, Setting
 from aggregator_service.strategies.fedavg import FedAvg
 from aggregator_service.updates import AggregateResult, ClientUpdate
 from aggregator_service.weighted_mean import WeightedMean, is_float
@@ -45,6 +45,18 @@ class Scaffold(FedAvg):
     """
 
     name: ClassVar[str] = "scaffold"
+    state_tensors: ClassVar[tuple[str, ...]] = ("server_control",)
+
+    @classmethod
+    def refuse(cls, setting: Setting) -> str | None:
+        if setting.low_rank:
+            return "SCAFFOLD's control variates live in full-rank space: use tiers = [1]"
+        if setting.factorization.startswith("atoms") and setting.atom_lr == "scaled":
+            return (
+                "SCAFFOLD's control variates assume one learning rate for every parameter, and atom_lr = scaled "
+                "gives atoms and coefficients their own: use atom_lr = shared with atoms"
+            )
+        return None
 
     def __init__(
         self,
@@ -120,7 +132,7 @@ class Scaffold(FedAvg):
         super().fold(acc, update)
         acc.controls.add(update.control_delta, 1.0)
 
-    def _new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
+    def new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
         if self.global_lr == 1.0 or not is_float(current.dtype):
             return mean  # η_g = 1 returns FedAvg's value bit for bit
         x = current.detach().to(torch.float64)
@@ -141,13 +153,13 @@ class Scaffold(FedAvg):
         return result
 
     def state_dict(self) -> dict[str, Any]:
-        return {"controls": {n: c.clone() for n, c in self._controls.items()}}
+        return {"server_control": {n: c.clone() for n, c in self._controls.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = set(state) - {"controls"}
+        unknown = set(state) - {"server_control"}
         if unknown:
-            raise ValueError(f"unknown SCAFFOLD state keys {sorted(unknown)}")
-        controls = state.get("controls", {})
+            raise ValueError(f"unknown {self.name} state keys {sorted(unknown)}")
+        controls = state.get("server_control", {})
         if self.spec is not None:
             trainable = _trainable(self.spec)
             for name, c in controls.items():

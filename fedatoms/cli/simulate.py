@@ -26,6 +26,17 @@ def _tiers(text: str) -> list[float]:
     return out
 
 
+def _strategy_arg(text: str) -> tuple[str, Any]:
+    """``NAME=VALUE``; the value is read as JSON (numbers, true/false, quoted strings) or else taken as text."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"write NAME=VALUE, got {text!r}")
+    try:
+        return name.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return name.strip(), value
+
+
 def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     """One flag per :class:`SimulationConfig` key; a flag left out takes the TOML's value, then the default."""
     from fedatoms.simulate import SimulationConfig
@@ -65,7 +76,19 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float)
     g.add_argument("--momentum", type=float)
     g.add_argument("--weight-decay", type=float)
-    g.add_argument("--strategy", choices=["fedavg", "fedprox", "scaffold"])
+    g.add_argument(
+        "--strategy",
+        help="fedavg, fedprox, scaffold, fedavgm, fedadam, fedyogi, fedadagrad, fedmedian, fedtrimmedavg, feddyn, "
+        "feddc, or a class of your own as package.module:Class (docs/strategies.md)",
+    )
+    g.add_argument(
+        "--strategy-arg",
+        dest="strategy_args",
+        type=_strategy_arg,
+        action="append",
+        metavar="NAME=VALUE",
+        help="a keyword argument of the strategy's class, e.g. alpha=0.01 (feddyn), beta=0.1 (fedtrimmedavg)",
+    )
     g.add_argument("--mu", type=float, help="FedProx proximal weight")
     g.add_argument("--global-lr", type=float, help="SCAFFOLD server step size η_g")
     g.add_argument("--weighting", choices=["samples", "tier-softmax"])
@@ -97,6 +120,8 @@ def _config_from_args(args: argparse.Namespace) -> Any:
 
     keys = {f.name for f in fields(SimulationConfig)}
     overrides = {k: v for k, v in vars(args).items() if k in keys and v is not None}
+    if "strategy_args" in overrides:
+        overrides["strategy_args"] = dict(overrides["strategy_args"])
     if args.config is not None:
         return SimulationConfig.from_toml(args.config, overrides)
     return SimulationConfig(**overrides)

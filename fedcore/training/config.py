@@ -83,12 +83,16 @@ class TrainConfig:
 
 @dataclass
 class LocalResult:
-    """A client's round: the full trained ``state_dict`` (CPU) plus what the optional methods produce."""
+    """A client's round: the full trained ``state_dict`` (CPU) plus what the optional methods produce.
+
+    ``strategy_state`` is the client's per-client state after the round, by group
+    (:data:`fedcore.training.terms.STATE_GROUPS`); ``control_delta`` is SCAFFOLD's ``Δc_i``.
+    """
 
     tensors: dict[str, Tensor]
     num_samples: int
     metrics: dict[str, float]
-    control: dict[str, Tensor] | None = None
+    strategy_state: dict[str, dict[str, Tensor]] | None = None
     control_delta: dict[str, Tensor] | None = None
     personal_atoms: dict[str, Tensor] | None = None
 

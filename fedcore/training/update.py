@@ -9,13 +9,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-import torch
 from torch import Tensor, nn
 
 from fedcore.training.config import LocalResult, TrainConfig
 from fedcore.training.loop import Batches, Dataset, resolve_device, seeded, sgd
 from fedcore.training.personal import atom_names, check_personal_atoms, train_personal
-from fedcore.training.terms import combine, control_on, frobenius_penalty, proximal_penalty
+from fedcore.training.terms import LocalTerms, combine, frobenius_penalty, proximal_penalty
 
 __all__ = ["local_update"]
 
@@ -31,16 +30,21 @@ def local_update(
     config: TrainConfig,
     *,
     seed: int,
+    terms: LocalTerms | None = None,
     server_control: Mapping[str, Tensor] | None = None,
-    client_control: Mapping[str, Tensor] | None = None,
+    client_state: Mapping[str, Mapping[str, Tensor]] | None = None,
     personal_atoms: Mapping[str, Tensor] | None = None,
     on_epoch: Callable[[int, int], None] | None = None,
 ) -> LocalResult:
     """One client's round of local training; ``model`` is trained in place on the resolved device.
 
-    With ``server_control`` SCAFFOLD (option II) corrects every gradient by ``c − c_i`` and
-    returns ``c_i⁺ = c_i − c + (w_start − w_end)/(K·lr)``. With ``personal_atoms`` the client's
-    atoms are first trained on a frozen copy of the received model (see
+    ``terms`` are the strategy's client-side terms (:class:`~fedcore.training.terms.LocalTerms`;
+    ``server_control`` alone means SCAFFOLD's): ``client_state`` holds the client's state
+    groups from its previous rounds (zeros where absent) and ``LocalResult.strategy_state``
+    the groups after this one. SCAFFOLD (option II) corrects every gradient by ``c − c_i`` and
+    returns ``c_i⁺ = c_i − c + (w_start − w_end)/(K·lr)``, with ``K·lr`` the steps' total weight
+    under momentum (:func:`~fedcore.training.terms.step_weight`). With ``personal_atoms`` the
+    client's atoms are first trained on a frozen copy of the received model (see
     :func:`~fedcore.training.personal.train_personal_atoms`); the global update that follows
     is unaffected by it.
     """
@@ -55,18 +59,9 @@ def local_update(
         raise ValueError("model has no trainable parameters")
 
     batches = Batches(data, device)
-    correction: dict[str, Tensor] | None = None
-    c_server: dict[str, Tensor] = {}
-    c_client: dict[str, Tensor] = {}
-    if server_control is not None:
-        c_server = control_on("server_control", server_control, params, device)
-        if client_control is None:
-            c_client = {n: torch.zeros_like(p) for n, p in params.items()}
-        else:
-            c_client = control_on("client_control", client_control, params, device)
-        correction = {n: c_server[n] - c_client[n] for n in params}
-    elif client_control is not None:
-        raise ValueError("client_control without server_control: SCAFFOLD needs the server's control too")
+    if terms is None:
+        terms = LocalTerms(control=server_control is not None)
+    plan = terms.begin(params, server_control, client_state, device)
 
     metrics: dict[str, float] = {}
     new_personal: dict[str, Tensor] | None = None
@@ -76,11 +71,16 @@ def local_update(
         new_personal = {name: _cpu(state[name]) for name in atom_names(personal)}
         del personal
 
-    start = {n: p.detach().clone() for n, p in params.items()} if (config.prox_mu > 0 or correction is not None) else {}
+    if plan is not None:
+        start = plan.start
+    else:
+        start = {n: p.detach().clone() for n, p in params.items()} if config.prox_mu > 0 else {}
     penalty = combine(
         proximal_penalty(params, start, config.prox_mu) if config.prox_mu > 0 else None,
+        proximal_penalty(params, start, plan.alpha) if plan is not None and plan.alpha > 0 else None,
         frobenius_penalty(model, config.frobenius_decay) if config.frobenius_decay > 0 else None,
     )
+    correction = plan.correction if plan is not None else None
     model.train()
     try:
         with seeded(seed, device):
@@ -88,14 +88,11 @@ def local_update(
     finally:
         model.train(was_training)
 
-    control = control_delta = None
-    if correction is not None:
-        scale = stats.steps * config.lr
-        control, control_delta = {}, {}
-        for n, p in params.items():
-            new = c_client[n] - c_server[n] + (start[n] - p.detach()) / scale
-            control[n] = _cpu(new)
-            control_delta[n] = _cpu(new - c_client[n])
+    strategy_state = control_delta = None
+    if plan is not None:
+        after, delta = plan.finish(params, stats.steps, config.lr, config.momentum)
+        strategy_state = {g: {n: _cpu(t) for n, t in group.items()} for g, group in after.items()}
+        control_delta = None if delta is None else {n: _cpu(t) for n, t in delta.items()}
 
     metrics.update(
         train_loss=stats.loss,
@@ -107,7 +104,7 @@ def local_update(
         tensors={k: _cpu(v) for k, v in model.state_dict().items()},
         num_samples=batches.n,
         metrics=metrics,
-        control=control,
+        strategy_state=strategy_state,
         control_delta=control_delta,
         personal_atoms=new_personal,
     )

@@ -19,7 +19,7 @@ def test_state_round_trips_with_a_pending_update(tmp_path: Path) -> None:
         unsynced={"b": torch.ones(2)},
         local={"bn.running_mean": torch.zeros(3)},
         personal_atoms={"conv1.atoms": torch.randn(9, 3, 3)},
-        control={"a": torch.full((2, 3), 0.5)},
+        strategy_state={"control": {"a": torch.full((2, 3), 0.5)}, "drift": {"a": torch.full((2, 3), -1.5)}},
         rounds_joined=3,
         evaluate_round=None,
         last_round=4,
@@ -42,7 +42,8 @@ def test_state_round_trips_with_a_pending_update(tmp_path: Path) -> None:
         (state.unsynced, back.unsynced),
         (state.local, back.local),
         (state.personal_atoms, back.personal_atoms),
-        (state.control, back.control),
+        (state.strategy_state["control"], back.strategy_state.get("control")),
+        (state.strategy_state["drift"], back.strategy_state.get("drift")),
         (state.pending.tensors, back.pending.tensors if back.pending else None),
     ]:
         assert theirs is not None and mine.keys() == theirs.keys()
@@ -56,6 +57,7 @@ def test_state_round_trips_with_a_pending_update(tmp_path: Path) -> None:
         True,
     )
     assert p.control_delta is not None and torch.equal(p.control_delta["a"], torch.zeros(2, 3))
+    assert set(back.strategy_state) == {"control", "drift"}
 
 
 def test_no_state_yet_and_a_foreign_file_is_refused(tmp_path: Path) -> None:
@@ -74,3 +76,18 @@ def test_a_save_replaces_the_file_whole(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == [STATE_FILE]
     back = ClientState.load(tmp_path)
     assert back is not None and back.personal_atoms is None
+
+
+def test_a_state_written_before_strategy_groups_keeps_its_scaffold_control(tmp_path: Path) -> None:
+    """States saved before issue 21 hold SCAFFOLD's c_i as group "control": it loads as strategy state."""
+    import json
+
+    from safetensors.torch import save_file
+
+    meta = {"format": 1, "client_id": "c1", "tier": 1.0, "versions": {}, "rounds_joined": 2, "groups": ["control"]}
+    save_file(
+        {"control/a": torch.full((2,), 0.25)}, str(tmp_path / STATE_FILE), metadata={"fedatoms": json.dumps(meta)}
+    )
+    back = ClientState.load(tmp_path)
+    assert back is not None and set(back.strategy_state) == {"control"}
+    assert torch.equal(back.strategy_state["control"]["a"], torch.full((2,), 0.25))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from aggregator_service.updates import ClientUpdate
 from fedcore.layers import AtomConv2d, reconstruct_filter
 from fedcore.models import build_model
 from fedcore.training import (
@@ -90,8 +92,10 @@ def test_same_seed_bit_identical_with_every_term_and_global_rng_untouched() -> N
     state = torch.random.get_rng_state()
     a, b, c = run(7), run(7), run(8)
     assert torch.equal(torch.random.get_rng_state(), state)
-    for field in ("tensors", "control", "control_delta", "personal_atoms"):
+    for field in ("tensors", "control_delta", "personal_atoms"):
         assert_same(getattr(a, field), getattr(b, field))
+    assert a.strategy_state is not None and b.strategy_state is not None
+    assert_same(a.strategy_state["control"], b.strategy_state["control"])
     assert any(not torch.equal(a.tensors[k], c.tensors[k]) for k in a.tensors)
     assert a.personal_atoms is not None and c.personal_atoms is not None
     assert any(not torch.equal(a.personal_atoms[k], c.personal_atoms[k]) for k in a.personal_atoms)
@@ -132,7 +136,7 @@ def test_training_learns_a_separable_problem() -> None:
     assert result.metrics["steps"] == 4 * 4
     assert result.metrics["train_accuracy"] >= 0.9
     assert set(result.metrics) >= {"train_loss", "train_accuracy", "steps", "seconds"}
-    assert result.control is None and result.personal_atoms is None
+    assert result.strategy_state is None and result.personal_atoms is None
 
 
 def test_evaluate_matches_manual_computation_and_restores_mode() -> None:
@@ -208,17 +212,108 @@ def test_scaffold_with_zero_controls_is_plain_sgd() -> None:
     config = cfg(local_epochs=2)
     zeros = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     plain = local_update(copy.deepcopy(model), data, config, seed=2)
-    scaf = local_update(copy.deepcopy(model), data, config, seed=2, server_control=zeros, client_control=zeros)
+    scaf = local_update(
+        copy.deepcopy(model), data, config, seed=2, server_control=zeros, client_state={"control": zeros}
+    )
     assert_same(scaf.tensors, plain.tensors)
-    assert scaf.control is not None and scaf.control_delta is not None
-    assert set(scaf.control) == {"1.weight", "1.bias"}
-    k = int(scaf.metrics["steps"])
-    assert k == 2 * 3
-    start = model.state_dict()
-    for n in scaf.control:
-        expected = (start[n] - scaf.tensors[n]) / (k * config.lr)
-        torch.testing.assert_close(scaf.control[n], expected, rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(scaf.control_delta[n], scaf.control[n])
+    assert scaf.strategy_state is not None and scaf.control_delta is not None
+    control = scaf.strategy_state["control"]
+    assert set(control) == {"1.weight", "1.bias"}
+    assert int(scaf.metrics["steps"]) == 2 * 3
+    for n in control:
+        torch.testing.assert_close(scaf.control_delta[n], control[n])
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_scaffold_client_control_is_the_gradient_at_the_start_whatever_the_momentum(momentum: float) -> None:
+    """Option II's c_i⁺ estimates ∇f_i(x): with full-batch steps too small to move far, it is that gradient.
+
+    The oracle is autograd's full-batch gradient at the start; under momentum 0.9 and K = 30 steps the
+    old ``(x − y)/(K·η)`` read 8.7× too large (and SCAFFOLD diverged, issue 21).
+    """
+    toy, model = blobs(24, seed=5), linear_model(seed=1).double()  # float64: the steps are tiny
+    data = Toy(toy.x.double(), toy.y)
+    ref = copy.deepcopy(model)
+    F.cross_entropy(ref(data.x), data.y).backward()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    gen = torch.Generator().manual_seed(0)
+    c = {n: 0.1 * torch.randn(p.shape, generator=gen, dtype=torch.float64) for n, p in model.named_parameters()}
+    ci = {n: 0.1 * torch.randn(p.shape, generator=gen, dtype=torch.float64) for n, p in model.named_parameters()}
+    config = cfg(lr=1e-9, momentum=momentum, batch_size=len(data), local_epochs=30)
+    r = local_update(model, data, config, seed=0, server_control=c, client_state={"control": ci})
+    assert r.metrics["steps"] == 30 and r.strategy_state is not None
+    for n, g in grads.items():
+        assert g is not None
+        torch.testing.assert_close(r.strategy_state["control"][n], g, rtol=1e-4, atol=1e-6)
+
+
+class Logit(nn.Module):
+    """Logits ``[w, 0]`` with one scalar ``w``: cross-entropy's gradient is ``σ(w) − 1`` for label 0, ``σ(w)`` for 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([self.w.expand(len(x), 1), torch.zeros(len(x), 1)], dim=1)
+
+
+def test_scaffold_two_clients_two_momentum_steps_by_hand() -> None:
+    """One SCAFFOLD round (option II) of two one-sample clients, K = 2 steps at η = β = 0.5, derived by hand.
+
+    With correction ``d = c − c_i`` the heavy-ball steps are ``v₁ = g₁ + d``, ``w₁ = −η v₁``,
+    ``v₂ = β v₁ + g₂ + d``, ``w₂ = w₁ − η v₂``; step 1's gradient moves ``w`` by ``η(1 + β)`` in all
+    and step 2's by ``η``, so ``c_i⁺ = ((1 + β) g₁ + g₂)/(2 + β)`` — the clients' own gradients,
+    whatever ``d``. The server then takes ``x ← mean y_i`` and ``c ← c + |S|/N · mean Δc_i``.
+    """
+    from aggregator_service.strategies import Scaffold
+    from fedcore.spec import ModelSpec
+
+    eta = beta = 0.5
+    c = 0.1
+    clients = {"a": (0, 0.3), "b": (1, -0.1)}  # label, c_i
+    config = cfg(lr=eta, momentum=beta, batch_size=1, local_epochs=2)
+    y, c_new = {}, {}
+    for cid, (label, c_i) in clients.items():
+        data = Toy(torch.zeros(1, 1, 1, 1), torch.tensor([label]))
+        r = local_update(
+            Logit(),
+            data,
+            config,
+            seed=0,
+            server_control={"w": torch.tensor([c])},
+            client_state={"control": {"w": torch.tensor([c_i])}},
+        )
+        assert r.metrics["steps"] == 2 and r.strategy_state is not None and r.control_delta is not None
+        control = r.strategy_state["control"]
+        sigma = lambda w: 1 / (1 + math.exp(-w))  # noqa: E731
+        d = c - c_i
+        g1 = sigma(0.0) - (1 - label)
+        v1 = g1 + d
+        w1 = -eta * v1
+        g2 = sigma(w1) - (1 - label)
+        w2 = w1 - eta * (beta * v1 + g2 + d)
+        assert float(r.tensors["w"]) == pytest.approx(w2, abs=1e-6)
+        assert float(control["w"]) == pytest.approx(((1 + beta) * g1 + g2) / (2 + beta), abs=1e-6)
+        assert float(r.control_delta["w"]) == pytest.approx(float(control["w"]) - c_i, abs=1e-6)
+        y[cid], c_new[cid] = w2, float(control["w"])
+    # the server's half, on a one-parameter layer of a real model filled with these scalars
+    spec = ModelSpec("digits-cnn", 10, "none")
+    name = "head.bias"
+    server = Scaffold(num_clients_total=4, spec=spec)
+    server._controls = {name: torch.full((10,), c)}
+    acc = server.begin({name: torch.zeros(10)}, [name])
+    for cid, (_, c_i) in clients.items():
+        server.fold(
+            acc,
+            ClientUpdate(
+                cid, 1, 1.0, spec, {name: torch.full((10,), y[cid])}, {name: torch.full((10,), c_new[cid] - c_i)}
+            ),
+        )
+    result = server.finish(acc, {name: torch.zeros(10)})
+    expected_c = c + (2 / 4) * ((c_new["a"] - 0.3) + (c_new["b"] + 0.1)) / 2
+    torch.testing.assert_close(result.tensors[name], torch.full((10,), (y["a"] + y["b"]) / 2))
+    torch.testing.assert_close(server.server_control(spec)[name], torch.full((10,), expected_c))
 
 
 class WithUnused(nn.Module):
@@ -245,15 +340,16 @@ def test_scaffold_correction_matches_hand_computed_step() -> None:
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in ref.named_parameters()}
     start = params_of(model)
 
-    r = local_update(model, data, config, seed=0, server_control=c, client_control=ci)
+    r = local_update(model, data, config, seed=0, server_control=c, client_state={"control": ci})
     assert r.metrics["steps"] == 1
-    assert r.control is not None and r.control_delta is not None
+    assert r.strategy_state is not None and r.control_delta is not None
     for n in start:
         expected = start[n] - lr * (grads[n] + c[n] - ci[n])
         torch.testing.assert_close(r.tensors[n], expected, rtol=1e-5, atol=1e-6)
         # option II after one step: c_i⁺ = c_i − c + (g + c − c_i) = g
-        torch.testing.assert_close(r.control[n], grads[n], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(r.control_delta[n], r.control[n] - ci[n])
+        control = r.strategy_state["control"]
+        torch.testing.assert_close(control[n], grads[n], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(r.control_delta[n], control[n] - ci[n])
     # the correction moves against c − c_i = 0.5 on the parameter the loss ignores
     assert torch.allclose(r.tensors["unused"], torch.full((3,), -lr * 0.5))
 
@@ -270,8 +366,10 @@ def test_scaffold_control_validation() -> None:
         local_update(model, data, cfg(), seed=0, server_control={"1.weight": zeros["1.weight"]})
     with pytest.raises(ValueError, match="shape"):
         local_update(model, data, cfg(), seed=0, server_control={**zeros, "1.bias": torch.zeros(7)})
-    with pytest.raises(ValueError, match="server_control"):
-        local_update(model, data, cfg(), seed=0, client_control=zeros)
+    with pytest.raises(ValueError, match="not kept by these terms"):
+        local_update(model, data, cfg(), seed=0, client_state={"control": zeros})
+    with pytest.raises(ValueError, match="non-finite"):
+        local_update(model, data, cfg(), seed=0, server_control={**zeros, "1.bias": torch.full((4,), math.nan)})
 
 
 # --------------------------------------------------------------------------- Frobenius decay

@@ -8,13 +8,18 @@ from aggregator_service.strategies import STRATEGIES, FedAvg, FedProx, Scaffold,
 
 
 def test_registry() -> None:
-    assert set(STRATEGIES) == {"fedavg", "fedprox", "scaffold"}
+    assert set(STRATEGIES) == {
+        *("fedavg", "fedprox", "scaffold", "fedavgm", "fedadam", "fedyogi", "fedadagrad"),
+        *("fedmedian", "fedtrimmedavg", "feddyn", "feddc"),
+    }
     assert isinstance(build_strategy("fedavg", weighting="tier-softmax", temperature=5.0), FedAvg)
     prox = build_strategy("fedprox", mu=0.5)
     assert isinstance(prox, FedProx) and prox.client_config() == {"prox_mu": 0.5}
     assert isinstance(build_strategy("scaffold", num_clients_total=3), Scaffold)
+    yogi = build_strategy("fedyogi")  # issue 21: known now, with Flower's defaults
+    assert (yogi.eta, yogi.beta_1, yogi.beta_2, yogi.tau) == (1e-2, 0.9, 0.99, 1e-3)
     with pytest.raises(ValueError, match="unknown strategy"):
-        build_strategy("fedyogi")
+        build_strategy("fedyogo")
     with pytest.raises(ValueError, match="bad parameters"):
         build_strategy("fedavg", mu=1.0)
     assert FedAvg().state_dict() == {}

@@ -1,0 +1,44 @@
+"""The clients' mean drift from the global model: what FedDyn's and FedDC's servers add to the average.
+
+Both keep, over all ``N`` clients, the running sum of what they moved in their rounds;
+a round with reporting clients ``S`` adds ``D = (1/N) Σ_{k∈S} (y_k − x)`` (uniform, as the
+papers write it) over the trainable tensors. :class:`DriftAccumulator` folds the
+uniform sum ``Σ_{k∈S} y_k`` alongside FedAvg's weighted mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from aggregator_service.strategies.scaffold import ScaffoldAccumulator
+from aggregator_service.weighted_mean import WeightedMean
+from fedcore.spec import ModelSpec
+
+__all__ = ["DriftAccumulator", "mean_drift", "trainable_shapes"]
+
+
+def trainable_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return {t.name: t.shape for t in spec.full().tensors if t.role != "buffer"}
+
+
+@dataclass
+class DriftAccumulator(ScaffoldAccumulator):
+    """Adds the uniform mean of the clients' trainable tensors (and SCAFFOLD's controls, used by FedDC)."""
+
+    uniform: WeightedMean = field(default_factory=WeightedMean)
+
+
+def mean_drift(
+    acc: DriftAccumulator, global_tensors: Mapping[str, Tensor], num_clients_total: int
+) -> dict[str, Tensor]:
+    """``D = (1/N) Σ_{k∈S} (y_k − x)`` per trainable tensor the clients reported, in float64."""
+    count = acc.uniform.count
+    out = {}
+    for name, mean in acc.uniform.mean(cast=False).items():
+        x = global_tensors[name].detach().to(torch.float64)
+        out[name] = (count / max(num_clients_total, count)) * (mean - x)
+    return out

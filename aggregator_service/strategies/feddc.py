@@ -1,0 +1,86 @@
+"""FedDC (Gao et al. 2022, Alg. 1): local drift decoupling and correction.
+
+Each client keeps a drift ``h_i`` and a control ``c_i`` (:class:`fedcore.training.terms.LocalTerms`,
+states ``drift`` and ``control``) and minimizes ``L_i(θ) + α/2‖θ + h_i − x‖² + ⟨θ, c − c_i⟩``
+(the second is SCAFFOLD's gradient correction, ``c_i`` updated by option II); after the
+round ``h_i ← h_i + (θ_i − x)``. The server keeps SCAFFOLD's ``c`` and the mean drift of all
+``N`` clients ``H ← H + (1/N) Σ_{i∈S}(θ_i − x)``, and sets ``x ← mean_i θ_i + H`` on the
+trainable tensors (the official code's ``avg_mdl_param_sel + mean(parameter_drifts)``).
+What travels is SCAFFOLD's: ``c`` down, ``Δc_i`` up; drifts stay with their owners. α = 0.01
+as the official code's default.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from aggregator_service.strategies.base import RoundAccumulator, Setting
+from aggregator_service.strategies.drift import DriftAccumulator, mean_drift, trainable_shapes
+from aggregator_service.strategies.feddyn import refuse_drift
+from aggregator_service.strategies.scaffold import Scaffold
+from aggregator_service.strategies.tensor_state import TensorState
+from aggregator_service.updates import AggregateResult, ClientUpdate
+from fedcore.spec import ModelSpec
+
+__all__ = ["FedDC"]
+
+
+class FedDC(Scaffold):
+    """FedDC with drift penalty ``alpha``: SCAFFOLD's controls plus the clients' mean drift."""
+
+    name: ClassVar[str] = "feddc"
+    state_tensors: ClassVar[tuple[str, ...]] = ("server_control", "drift")
+
+    def __init__(
+        self,
+        num_clients_total: int,
+        alpha: float = 0.01,
+        weighting: str = "samples",
+        temperature: float = math.inf,
+        keep_local_buffers: bool = False,
+        spec: ModelSpec | None = None,
+    ) -> None:
+        super().__init__(num_clients_total, 1.0, weighting, temperature, keep_local_buffers, spec)
+        if not (alpha >= 0 and math.isfinite(alpha)):
+            raise ValueError(f"alpha must be ≥ 0, got {alpha}")
+        self.alpha = float(alpha)
+        self.drift = TensorState("drift")
+
+    @classmethod
+    def refuse(cls, setting: Setting) -> str | None:
+        return refuse_drift("FedDC", setting) or super().refuse(setting)
+
+    def client_config(self) -> dict[str, Any]:
+        return {"scaffold": True, "feddc_alpha": self.alpha}
+
+    def _accumulator(self, due: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> RoundAccumulator:
+        return DriftAccumulator(due, shapes)
+
+    def fold(self, acc: RoundAccumulator, update: ClientUpdate) -> None:
+        if not isinstance(acc, DriftAccumulator):
+            raise TypeError(f"{type(self).__name__}.fold needs the accumulator its begin returned")
+        super().fold(acc, update)
+        trainable = trainable_shapes(update.spec)
+        acc.uniform.add({n: t for n, t in self._aligned(acc, update).items() if n in trainable}, 1.0)
+
+    def finish(self, acc: RoundAccumulator, global_tensors: Mapping[str, Tensor]) -> AggregateResult:
+        if not isinstance(acc, DriftAccumulator):
+            raise TypeError(f"{type(self).__name__}.finish needs the accumulator its begin returned")
+        result = super().finish(acc, global_tensors)
+        means = acc.tensors.mean(cast=False)
+        for name, drift in mean_drift(acc, global_tensors, self.num_clients_total).items():
+            dtype = global_tensors[name].dtype
+            self.drift.set(name, self.drift.get64(name, drift) + drift, dtype)
+            result.tensors[name] = (means[name] + self.drift.get64(name, drift)).to(dtype)
+        return result
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "drift": self.drift.state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict({k: v for k, v in state.items() if k != "drift"})
+        self.drift.load(state.get("drift", {}), trainable_shapes(self.spec) if self.spec is not None else None)

@@ -1,0 +1,108 @@
+"""FedDyn (Acar et al. 2021, Alg. 1): a dynamic regularizer that aligns the clients' minima with the global one.
+
+Client ``k`` minimizes ``L_k(θ) − ⟨∇L_k, θ⟩ + α/2‖θ − x‖²`` and keeps ``∇L_k ← ∇L_k − α(y_k − x)``
+(:class:`fedcore.training.terms.LocalTerms`, state ``gradient``, on the client only). The
+server keeps ``h ← h − α·(1/N) Σ_{k∈S}(y_k − x)`` and sets ``x ← mean_k y_k − h/α`` on the
+trainable tensors (buffers are averaged). The paper uses α = 0.01 (the decomposition
+paper's Table 1 too). α = 0 turns the regularizer off on both sides: ``h`` stays zero and
+the round is FedAvg's (the limit α → 0 is not: ``h/α`` keeps the summed drift).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from aggregator_service.strategies.base import RoundAccumulator, Setting
+from aggregator_service.strategies.drift import DriftAccumulator, mean_drift, trainable_shapes
+from aggregator_service.strategies.fedavg import FedAvg
+from aggregator_service.strategies.tensor_state import TensorState
+from aggregator_service.updates import AggregateResult, ClientUpdate
+from fedcore.spec import ModelSpec
+
+__all__ = ["FedDyn", "refuse_drift"]
+
+
+def refuse_drift(name: str, setting: Setting) -> str | None:
+    """FedDyn's and FedDC's shared limits: one parameter space, and every round starts from ``x``."""
+    if setting.low_rank:
+        return (
+            f"{name} keeps per-client state in the full model's parameter space, and a low-rank client trains "
+            "factors of it: use tiers = [1]"
+        )
+    if setting.interval_policy != "every_round":
+        return (
+            f"{name}'s state tracks each round's move from the model the clients started from, and intervals "
+            "leave tensors unsynchronized across rounds: use interval_policy = every_round"
+        )
+    return None
+
+
+class FedDyn(FedAvg):
+    """FedDyn with weight ``alpha``; ``num_clients_total`` is ``N`` (the service keeps it current)."""
+
+    name: ClassVar[str] = "feddyn"
+    state_tensors: ClassVar[tuple[str, ...]] = ("h",)
+
+    def __init__(
+        self,
+        num_clients_total: int,
+        alpha: float = 0.01,
+        weighting: str = "samples",
+        temperature: float = math.inf,
+        keep_local_buffers: bool = False,
+        spec: ModelSpec | None = None,
+    ) -> None:
+        super().__init__(weighting, temperature, keep_local_buffers)
+        if num_clients_total < 1:
+            raise ValueError(f"num_clients_total must be ≥ 1, got {num_clients_total}")
+        if not (alpha >= 0 and math.isfinite(alpha)):
+            raise ValueError(f"alpha must be ≥ 0, got {alpha}")
+        self.num_clients_total = int(num_clients_total)
+        self.alpha = float(alpha)
+        self.spec = spec
+        self.h = TensorState("h")
+
+    @classmethod
+    def refuse(cls, setting: Setting) -> str | None:
+        return refuse_drift("FedDyn", setting)
+
+    def client_config(self) -> dict[str, Any]:
+        return {"feddyn_alpha": self.alpha} if self.alpha > 0 else {}
+
+    def _accumulator(self, due: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> RoundAccumulator:
+        return DriftAccumulator(due, shapes)
+
+    def fold(self, acc: RoundAccumulator, update: ClientUpdate) -> None:
+        if not isinstance(acc, DriftAccumulator):
+            raise TypeError(f"{type(self).__name__}.fold needs the accumulator its begin returned")
+        if update.tier != 1.0:
+            raise ValueError(f"client {update.client_id}: {self.name} needs full-rank (γ = 1) clients")
+        super().fold(acc, update)
+        trainable = trainable_shapes(update.spec)
+        acc.uniform.add({n: t for n, t in self._aligned(acc, update).items() if n in trainable}, 1.0)
+
+    def finish(self, acc: RoundAccumulator, global_tensors: Mapping[str, Tensor]) -> AggregateResult:
+        if not isinstance(acc, DriftAccumulator):
+            raise TypeError(f"{type(self).__name__}.finish needs the accumulator its begin returned")
+        result = super().finish(acc, global_tensors)
+        if self.alpha == 0:
+            return result  # no regularizer, h ≡ 0: FedAvg
+        means = acc.tensors.mean(cast=False)
+        for name, drift in mean_drift(acc, global_tensors, self.num_clients_total).items():
+            dtype = global_tensors[name].dtype
+            self.h.set(name, self.h.get64(name, drift) - self.alpha * drift, dtype)
+            result.tensors[name] = (means[name] - self.h.get64(name, drift) / self.alpha).to(dtype)
+        return result
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"h": self.h.state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        unknown = set(state) - {"h"}
+        if unknown:
+            raise ValueError(f"unknown FedDyn state keys {sorted(unknown)}")
+        self.h.load(state.get("h", {}), trainable_shapes(self.spec) if self.spec is not None else None)
