@@ -198,7 +198,7 @@ def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: di
             tier_spec, _ = _fetch(federation, vc, ledger, r, "eval_fetch")
             if ledger.total(round_=r, client_id=cid, category="eval_fetch"):
                 ledger.transfer(r, cid, "eval_fetch")
-            evaluations.append(evaluate_client(vc.state, tier_spec, vc.test))
+            evaluations.append(evaluate_client(vc.state, tier_spec, vc.test, vc.train))
         record = _round_record(config, federation, outcome, test, evaluations, ledger)
         record["fedavg_equivalent_bytes"] = ledger.fedavg_equivalent(round_=r)
         record["wall_seconds"] = round(time.perf_counter() - t0, 4)
@@ -256,7 +256,7 @@ def _round_record(
         "latent_clients": outcome.latent_clients,
         "tensors": tensors,
     }
-    if config.personal_atoms:
+    if config.personalized:
         record["personalized_accuracy"] = mean_or_none(personal_acc)
     return record
 
