@@ -53,7 +53,7 @@ def test_fedper_head_never_changes_on_the_server_and_is_each_clients_own(monkeyp
     assert result["rounds"][1]["tensors"]["head.weight"]["bytes_down"] == 0  # fetched once, at round 1
 
     # each client holds its own head: after one round, exactly its local training's from round 0's model
-    one, _, kept = _run(monkeypatch, personalization="fedper", rounds=1)
+    _, _, kept = _run(monkeypatch, personalization="fedper", rounds=1)
     config = SimulationConfig(**{**SMALL, "personalization": "fedper"}).train_config(device="cpu")
     for vc in kept:
         own = local_update(
