@@ -24,9 +24,16 @@ from fedcore.spec import ModelSpec
 pytestmark = pytest.mark.slow
 
 CONFIG: dict[str, Any] = dict(
-    dataset="digits", clients=5, fraction=1.0, rounds=2, lr=0.05, batch_size=32, head_epochs=2, personal_epochs=2
+    dataset="digits",
+    clients=5,
+    fraction=1.0,
+    rounds=2,
+    lr=0.05,
+    batch_size=32,
+    head_epochs=2,
+    personal_epochs=2,
+    seed=4,
 )
-CONFIG["seed"] = 4
 
 
 @pytest.mark.parametrize("method", ["fedrep", "ft"])
