@@ -28,6 +28,7 @@ from typing import Any
 
 from aggregator_service.strategies import STRATEGIES
 from fedatoms.simulate import SimulationConfig, run_simulation
+from fedcore.codec import CodecError
 
 #: The paper's Table 1 rows, in its order; a strategy the registry lacks is left out (and said so).
 PAPER_STRATEGIES = ("fedavg", "fedprox", "scaffold", "feddyn", "feddc")
@@ -84,14 +85,17 @@ def _config(args: argparse.Namespace, seed: int, **switches: Any) -> SimulationC
 
 
 def _measure(args: argparse.Namespace, key: str, **switches: Any) -> tuple[list[float], str | None]:
-    """``key`` of the summary over the seeds, or the reason the configuration is refused."""
+    """``key`` of the summary over the seeds, or why there is none (refused at start, or diverged)."""
     values = []
     for seed in range(args.seeds):
         try:
             config = _config(args, seed, **switches)
         except ValueError as exc:
-            return [], str(exc)
-        values.append(run_simulation(config)["summary"][key])
+            return [], f"refused: {exc}"
+        try:
+            values.append(run_simulation(config)["summary"][key])
+        except CodecError as exc:  # a push of NaN/Inf: the method diverged on this seed
+            return [], f"diverged on seed {seed}: {exc}"
     return values, None
 
 
@@ -103,7 +107,7 @@ def _table(title: str, column: str, rows: list[tuple[str, Callable[[], tuple[lis
     for label, measure in rows:
         t0 = time.perf_counter()
         values, refused = measure()
-        cell = _cell(values) if refused is None else "refused"
+        cell = _cell(values) if refused is None else refused.split(":")[0]
         print(f"| {label} | {cell} |", flush=True)
         if refused is not None:
             notes.append(f"{label}: {refused}")
