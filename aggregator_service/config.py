@@ -8,6 +8,7 @@ so a setting tried in simulation means the same thing in production.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from aggregator_service.toml_settings import TomlSettings
 from fedcore.spec import ModelSpec
 from fedcore.tiers import TIERS
 from fedcore.training import TrainConfig
+from fedcore.training.personalization import SPLITS, personal_tensors
 
 __all__ = ["DEMO_ENROLLMENT_SECRET", "AggregatorSettings", "FederationConfig"]
 
@@ -71,6 +73,9 @@ class FederationConfig:
     personal_atoms: bool = False
     personal_epochs: int | None = FEDERATION_TRAINING.personal_epochs
     atom_lr: str = FEDERATION_TRAINING.atom_lr
+    personalization: str = FEDERATION_TRAINING.personalization
+    head_epochs: int = FEDERATION_TRAINING.head_epochs
+    ditto_lambda: float = FEDERATION_TRAINING.ditto_lambda
     fp16: bool = False
     seed: int = 0
 
@@ -108,6 +113,29 @@ class FederationConfig:
             )
         self.spec  # noqa: B018  # validates model, classes, factorization and atoms now, not mid-run
         build_strategy(self.strategy, **self.strategy_params(num_clients_total=1))  # bad arguments fail now
+        self._check_personalization()
+
+    def _check_personalization(self) -> None:
+        """A personalization baseline composes with the method where the math allows; refused here otherwise."""
+        self.train_config()  # the baseline's own hyper-parameters, checked where TrainConfig checks them
+        method = self.personalization
+        if method == "none":
+            return
+        if self.personal_atoms:
+            raise ValueError(
+                f"personal atoms are a personalization of their own: use personal_atoms or personalization "
+                f"= {method!r}, not both"
+            )
+        personal_tensors(self.spec, method)  # a split needs a model with a head
+        if method in SPLITS:
+            strategy = build_strategy(self.strategy, **self.strategy_params(num_clients_total=1))
+            state = sorted(set(strategy.client_config()) - {"prox_mu"})
+            if state:
+                raise ValueError(
+                    f"personalization {method!r} keeps part of the model on each client, but strategy "
+                    f"{self.strategy!r} carries client state over the whole model ({', '.join(state)}): "
+                    "use it with fedavg, fedprox or a server-side strategy"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -167,7 +195,18 @@ class FederationConfig:
             tiers=self.tiers,
             init_seed=self.seed,
             fp16=self.fp16,
+            personal=personal_tensors(spec, self.personalization),
         )
+
+    @property
+    def personalized(self) -> bool:
+        """Whether clients report a personalized accuracy (personal atoms or a baseline)."""
+        return self.reports_personalized(self.to_dict())
+
+    @staticmethod
+    def reports_personalized(config: Mapping[str, Any]) -> bool:
+        """:attr:`personalized` of a stored config (a federation row's JSON, older ones included)."""
+        return bool(config.get("personal_atoms")) or config.get("personalization", "none") != "none"
 
 
 #: FederationConfig's keys that are TrainConfig fields, passed to clients as they are.

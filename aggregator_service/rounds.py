@@ -103,6 +103,7 @@ class Federation:
         init_seed: int = 0,
         global_tensors: Mapping[str, Tensor] | None = None,
         fp16: bool = False,
+        personal: Sequence[str] = (),
     ) -> None:
         self.spec = spec.full()
         self.tiers = tuple(sorted({float(t) for t in tiers}, reverse=True))
@@ -110,6 +111,11 @@ class Federation:
         self.policy = policy
         self.sampler = sampler
         self.fp16 = fp16
+        #: full-rank tensors a personalization baseline keeps on the clients (FedPer's head, LG-FedAvg's body)
+        self.personal = frozenset(personal)
+        unknown = self.personal - set(self.spec.names)
+        if unknown:
+            raise ValueError(f"personal tensors {sorted(unknown)[:5]} are not part of the model")
         if global_tensors is None:
             global_tensors = self.spec.initial_model(init_seed).state_dict()
         missing = set(self.spec.names) - set(global_tensors)
@@ -163,7 +169,8 @@ class Federation:
         new_period = self.sampler.starts_period(round_, period) or not self.cohort
         if new_period:
             self.cohort = self.sampler.sample(round_, candidates)
-        due = tuple(n for n in self.policy.due(round_) if n not in self.strategy.local_tensors(self.spec))
+        local = self.kept_local()
+        due = tuple(n for n in self.policy.due(round_) if n not in local)
         return RoundPlan(round_, self.cohort, due, continue_unsynced=not new_period)
 
     def begin(self, plan: RoundPlan) -> None:
@@ -191,9 +198,13 @@ class Federation:
         """
         return self.policy.interval(name) if self.sampler.mode == "period" else 1
 
+    def kept_local(self) -> frozenset[str]:
+        """Full-rank tensors never aggregated: the strategy's (e.g. BN statistics kept local) and the personal ones."""
+        return self.strategy.local_tensors(self.spec) | self.personal
+
     def local_tier_tensors(self, tier: float) -> tuple[str, ...]:
-        """This tier's tensors that never leave the clients (e.g. BN statistics kept local)."""
-        local = self.strategy.local_tensors(self.spec)
+        """This tier's tensors that never leave the clients (e.g. BN statistics kept local, a personal head)."""
+        local = self.kept_local()
         return tuple(t.name for t in self.tier_spec(tier).tensors if (t.full_name or t.name) in local)
 
     def close(self) -> RoundOutcome:

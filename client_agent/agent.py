@@ -348,8 +348,11 @@ class Agent:
         s = self.state
         assert s is not None
         personal = dict(s.personal_atoms) if s.personal_atoms is not None else None
+        model = dict(s.personal_model) if s.personal_model is not None else None
         # training replaces these tensors, never writes into them: copies of the dicts are a snapshot
-        snapshot = replace(s, global_tensors=dict(s.global_tensors), local=dict(s.local), personal_atoms=personal)
+        snapshot = replace(
+            s, global_tensors=dict(s.global_tensors), local=dict(s.local), personal_atoms=personal, personal_model=model
+        )
         self._deferred = (closed, snapshot)
         s.evaluate_round = None
         self._save(optional=True)
@@ -365,7 +368,7 @@ class Agent:
 
     def _evaluation(self, state: ClientState) -> ClientEvaluation:
         assert self.spec is not None and self.test_data is not None
-        return evaluate_client(state, self.spec, self.test_data)
+        return evaluate_client(state, self.spec, self.test_data, self.train_data)
 
     def _keep_report(self, closed: int, ev: ClientEvaluation) -> None:
         """The evaluation goes with the next GetTask (every flow asks for a task before it evaluates again)."""

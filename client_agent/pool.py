@@ -191,7 +191,7 @@ def evaluate_in_process(
 ) -> tuple[Moved, ClientEvaluation]:
     """As an agent does once a round closed: receive the newer tensors, evaluate on the local test split."""
     down = _receive(vc, spec, fetched, fp16)
-    return down, evaluate_client(vc.state, spec, vc.test)
+    return down, evaluate_client(vc.state, spec, vc.test, vc.train)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 The global tensors it last fetched (with versions, so a fetch moves only what changed),
 the local values of tensors that were not synchronized yet (FedLAMA cohorts continue from
-them), its personal atoms and its SCAFFOLD control variate. An agent also keeps the update
+them), its personal atoms or the personal tensors of a personalization baseline (FedPer's head,
+LG-FedAvg's body, Ditto's personal model, …), the training config and seed of its last round
+(FedAvg+FT fine-tunes with them at evaluation) and its SCAFFOLD control variate. An agent also keeps the update
 it trained but has not seen acknowledged (so a restart re-pushes it with the same
 ``update_id``) and the round whose model it still has to evaluate.
 
@@ -55,10 +57,14 @@ class ClientState:
     personal_atoms: dict[str, Tensor] | None = None
     #: per-client strategy state by group ("control", "gradient", "drift"), one tensor per trainable parameter
     strategy_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    #: a personalization baseline's tensors that never travel (fedcore.training.personalization)
+    personal_model: dict[str, Tensor] | None = None
     rounds_joined: int = 0
     pending: PendingUpdate | None = None
     evaluate_round: int | None = None  # pushed for this round: evaluate the model it produces
     last_round: int = 0  # the last round this client trained for
+    last_config: dict[str, Any] | None = None  # TrainConfig.to_dict() of the last round trained
+    last_seed: int | None = None  # and its seed
 
     def receive(self, fetched: dict[str, tuple[Tensor, int]]) -> None:
         for name, (tensor, version) in fetched.items():
@@ -82,6 +88,7 @@ class ClientState:
             "local": self.local,
             "personal": self.personal_atoms,
             **{f"{_STRATEGY}{g}": values for g, values in self.strategy_state.items()},
+            "personal_model": self.personal_model,
             "pending": p.tensors if p else None,
             "pending_delta": p.control_delta if p else None,
         }
@@ -108,6 +115,8 @@ class ClientState:
             "groups": present,
             "evaluate_round": self.evaluate_round,
             "last_round": self.last_round,
+            "last_config": self.last_config,
+            "last_seed": self.last_seed,
             "pending": None
             if p is None
             else {
@@ -164,9 +173,12 @@ class ClientState:
                 for g, values in groups.items()
                 if g.startswith(_STRATEGY) or g == "control"
             },
+            personal_model=groups.get("personal_model"),
             rounds_joined=int(meta["rounds_joined"]),
             evaluate_round=meta.get("evaluate_round"),
             last_round=int(meta.get("last_round", 0)),
+            last_config=meta.get("last_config"),
+            last_seed=None if meta.get("last_seed") is None else int(meta["last_seed"]),
         )
         p = meta.get("pending")
         if p is not None:

@@ -16,6 +16,8 @@ from client_agent.state import ClientState
 from fedcore.data import ArrayDataset
 from fedcore.spec import ModelSpec
 from fedcore.training import TrainConfig, evaluate, local_update, personalized_model
+from fedcore.training.finetune import fine_tune
+from fedcore.training.personalization import SPLITS, personal_tensors
 from fedcore.training.terms import LocalTerms
 
 __all__ = ["ClientEvaluation", "ClientPush", "TrainTask", "evaluate_client", "run_task"]
@@ -58,9 +60,30 @@ def run_task(
     personal_atoms: bool = False,
     progress: bool = False,
 ) -> ClientPush:
-    """Train ``state`` for ``task``; with ``progress`` a bar advances per local epoch."""
+    """Train ``state`` for ``task``; with ``progress`` a bar advances per local epoch.
+
+    A personalization baseline's personal tensors (``task.config.personalization``) start from the
+    client's own values, the first time from the received ones, and are kept, never pushed.
+    """
+    method = task.config.personalization
+    personal = set(personal_tensors(spec, method))
+    if personal & set(task.due):
+        raise ValueError(
+            f"the server asks for personal tensors {sorted(personal & set(task.due))[:5]}: "
+            f"it does not keep them local as {method!r} needs"
+        )
+    start = state.starting_point(task.continue_unsynced)
+    if method in SPLITS:
+        if state.personal_model is None or set(state.personal_model) != personal:
+            state.personal_model = {n: start[n].clone() for n in personal}
+        start = {**start, **state.personal_model}
+    elif method == "ditto":
+        if state.personal_model is None or set(state.personal_model) != set(start):
+            state.personal_model = {n: t.clone() for n, t in start.items()}
+    else:
+        state.personal_model = None
     model = spec.build()
-    model.load_state_dict(state.starting_point(task.continue_unsynced))
+    model.load_state_dict(start)
     if personal_atoms and state.personal_atoms is None:
         state.personal_atoms = {n: t.clone() for n, t in state.global_tensors.items() if spec.tensor(n).role == "atoms"}
     terms = LocalTerms.from_config(task.strategy)
@@ -80,14 +103,20 @@ def run_task(
             server_control=server_control,
             client_state={g: state.strategy_state[g] for g in terms.groups if g in state.strategy_state},
             personal_atoms=state.personal_atoms if personal_atoms else None,
+            personal_model=state.personal_model if method == "ditto" else None,
             on_epoch=(lambda done, total: bar.update(1)) if bar is not None else None,
         )
     finally:
         if bar is not None:
             bar.close()
-    due, local = set(task.due), set(task.local)
+    due, local = set(task.due), set(task.local) - personal
     state.local = {n: t for n, t in result.tensors.items() if n in local}
-    state.unsynced = {n: t for n, t in result.tensors.items() if n not in due and n not in local}
+    state.unsynced = {n: t for n, t in result.tensors.items() if n not in due | local | personal}
+    if method in SPLITS:
+        state.personal_model = {n: result.tensors[n] for n in personal}
+    elif result.personal_model is not None:
+        state.personal_model = result.personal_model
+    state.last_config, state.last_seed = task.config.to_dict(), task.seed
     if result.personal_atoms is not None:
         state.personal_atoms = result.personal_atoms
     if result.strategy_state is not None:
@@ -102,12 +131,28 @@ def run_task(
     )
 
 
-def evaluate_client(state: ClientState, spec: ModelSpec, test_data: ArrayDataset) -> ClientEvaluation:
-    """The current global model and, with personal atoms, the personalized model on local test data."""
+def evaluate_client(
+    state: ClientState, spec: ModelSpec, test_data: ArrayDataset, train_data: ArrayDataset | None = None
+) -> ClientEvaluation:
+    """The current global model and the client's personalized one on local test data.
+
+    Personalized: the global coefficients × the personal atoms; the global model with the client's
+    personal tensors in place (FedPer, FedRep, LG-FedAvg, Local-only) or Ditto's ``v_k``; or, for
+    FedAvg+FT, the global model fine-tuned on ``train_data`` with the last round's config and seed.
+    """
     model = spec.build()
     model.load_state_dict({**state.global_tensors, **state.local})
     glob = evaluate(model, test_data)
     personal = None
+    config = None if state.last_config is None else TrainConfig.from_dict(state.last_config)
     if state.personal_atoms is not None:
         personal = evaluate(personalized_model(model, state.personal_atoms), test_data).accuracy
+    elif state.personal_model is not None:
+        model.load_state_dict({**state.global_tensors, **state.local, **state.personal_model})
+        personal = evaluate(model, test_data).accuracy
+    elif config is not None and config.personalization == "ft":
+        if train_data is None or state.last_seed is None:
+            raise ValueError("FedAvg+FT evaluates a fine-tuned model: it needs the client's training data")
+        tuned, _ = fine_tune(model, train_data, config, seed=state.last_seed)
+        personal = evaluate(tuned, test_data).accuracy
     return ClientEvaluation(glob.accuracy, glob.loss, personal, glob.num_samples)

@@ -140,7 +140,7 @@ def _families(snap: dict) -> Iterator[Metric]:
         )
         yield from _gauge(
             "fedatoms_personalized_accuracy",
-            "Clients' weighted accuracy with local atoms",
+            "Clients' weighted accuracy of their personalized models (personal atoms or a baseline)",
             means["personalized_accuracy"],
         )
 

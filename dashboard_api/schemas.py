@@ -76,7 +76,9 @@ class RoundOut(BaseModel):
     test_accuracy: float | None = Field(description="the server's evaluation of the global model")
     test_loss: float | None
     mean_client_accuracy: float | None = Field(description="clients' evaluations of the global model, weighted")
-    personalized_accuracy: float | None = Field(description="clients' personalized models (local atoms), weighted")
+    personalized_accuracy: float | None = Field(
+        description="clients' personalized models (personal atoms or a baseline), weighted"
+    )
     evaluations: int = Field(description="clients that reported an evaluation of this round")
     dispersion: float | None = Field(
         description="client spread (within round): Σ over tensors of Σ_k p_k ‖x_k − u‖², how far the cohort's "

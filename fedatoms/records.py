@@ -55,4 +55,6 @@ def summarize(records: list[dict[str, Any]], totals: Mapping[str, int], seconds:
     }
     if "personalized_accuracy" in last:
         summary["final_personalized_accuracy"] = last["personalized_accuracy"]
+        personal = [r["personalized_accuracy"] for r in records[-5:] if r["personalized_accuracy"] is not None]
+        summary["mean_personalized_accuracy_last5"] = mean_or_none(personal)
     return summary

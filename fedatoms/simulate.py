@@ -276,7 +276,7 @@ def _round_record(
         "latent_clients": outcome.latent_clients,
         "tensors": tensors,
     }
-    if config.personal_atoms:
+    if config.personalized:
         record["personalized_accuracy"] = mean_or_none(personal_acc)
     return record
 

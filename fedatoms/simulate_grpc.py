@@ -191,7 +191,7 @@ def records_from_store(url: str | Engine, federation_name: str = "default", afte
             fed = store.get_federation(s, federation_name)
             if fed is None:
                 return []
-            personal = bool(fed.config.get("personal_atoms"))
+            personal = FederationConfig.reports_personalized(fed.config)
             totals = dict.fromkeys(TOTALS, 0)
             rows = s.execute(
                 select(store.Round, store.RoundMetrics)

@@ -102,7 +102,13 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup-rounds", type=int, help="FedLAMA: no interval adjustment at or before this round")
     g.add_argument("--tiers", type=_tiers, help="capability tiers assigned round-robin, e.g. 1,0.5,0.25,0.125")
     g.add_argument("--personal-atoms", action="store_true", default=None, help="keep personal atoms per client")
-    g.add_argument("--personal-epochs", type=int)
+    g.add_argument("--personal-epochs", type=int, help="personal atoms', Ditto's and FT's epochs (default: local)")
+    g.add_argument(
+        "--personalization",
+        help="a personalization baseline: none, ft (FedAvg/FedProx+FT), fedper, fedrep, lg (LG-FedAvg), ditto, local",
+    )
+    g.add_argument("--head-epochs", type=int, help="FedRep: head epochs before the body's local epochs")
+    g.add_argument("--ditto-lambda", type=float, help="Ditto's λ (the decomposition paper: 0.75)")
     g.add_argument(
         "--atom-lr",
         choices=["scaled", "shared"],

@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import Tensor
 
+from fedcore.training.personalization import PERSONALIZATIONS
+
 __all__ = ["EvalResult", "LocalResult", "TrainConfig", "check_int"]
 
 
@@ -44,9 +46,16 @@ class TrainConfig:
     weight_decay: float = 0.0
     prox_mu: float = 0.0
     frobenius_decay: float = 0.0
+    #: epochs of the personal phase: personal atoms, Ditto's personal model, FT's fine-tuning (None: local_epochs)
     personal_epochs: int | None = None
     #: step sizes of filter atoms and coefficients: "scaled" (fedcore.training.atom_steps) or "shared"
     atom_lr: str = "scaled"
+    #: a personalization baseline (fedcore.training.personalization): none, ft, fedper, fedrep, lg, ditto, local
+    personalization: str = "none"
+    #: FedRep: epochs of the personal head (body frozen) before the body's local_epochs (head frozen)
+    head_epochs: int = 10
+    #: Ditto: λ of the personal model's proximal term λ/2‖v − w‖² (the decomposition paper: 0.75)
+    ditto_lambda: float = 0.75
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -61,6 +70,12 @@ class TrainConfig:
             check_int("personal_epochs", self.personal_epochs, 1)
         if self.atom_lr not in ("scaled", "shared"):
             raise ValueError(f"atom_lr must be 'scaled' or 'shared', got {self.atom_lr!r}")
+        if self.personalization not in PERSONALIZATIONS:
+            raise ValueError(
+                f"personalization must be one of {', '.join(PERSONALIZATIONS)}, got {self.personalization!r}"
+            )
+        check_int("head_epochs", self.head_epochs, 1)
+        _check_float("ditto_lambda", self.ditto_lambda)
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"device must be a non-empty string, got {self.device!r}")
 
@@ -95,6 +110,7 @@ class LocalResult:
     strategy_state: dict[str, dict[str, Tensor]] | None = None
     control_delta: dict[str, Tensor] | None = None
     personal_atoms: dict[str, Tensor] | None = None
+    personal_model: dict[str, Tensor] | None = None  # Ditto's v_k, the whole state_dict
 
 
 @dataclass

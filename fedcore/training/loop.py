@@ -8,7 +8,7 @@ RNG is left as it was.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from fedcore.training.atom_steps import AtomSteps
 from fedcore.training.config import TrainConfig
 
-__all__ = ["Batches", "Dataset", "EpochStats", "resolve_device", "seeded", "sgd"]
+__all__ = ["Batches", "Dataset", "EpochStats", "phase", "resolve_device", "seeded", "sgd", "training_only"]
 
 # Client data up to this size moves to the device once per call; larger data moves per batch.
 _WHOLE_DATA_BYTES = 256 * 2**20
@@ -148,3 +148,43 @@ def sgd(
         if on_epoch is not None:
             on_epoch(epoch + 1, epochs)
     return EpochStats(float(loss_sum) / batches.n, float(correct) / batches.n, steps)
+
+
+@contextmanager
+def training_only(model: nn.Module, names: Collection[str]) -> Iterator[dict[str, nn.Parameter]]:
+    """Within the block only the parameters ``names`` require gradients (the rest are frozen, no graph
+    is built for them); yields those parameters and restores every flag after."""
+    named = dict(model.named_parameters())
+    unknown = set(names) - set(named)
+    if unknown:
+        raise ValueError(f"not parameters of the model: {sorted(unknown)[:5]}")
+    flags = {n: p.requires_grad for n, p in named.items()}
+    try:
+        for n, p in named.items():
+            p.requires_grad_(n in names and flags[n])
+        yield {n: named[n] for n in names if flags[n]}
+    finally:
+        for n, p in named.items():
+            p.requires_grad_(flags[n])
+
+
+def phase(
+    model: nn.Module,
+    params: dict[str, nn.Parameter],
+    batches: Batches,
+    config: TrainConfig,
+    epochs: int,
+    seed: int,
+    penalty: Callable[[], Tensor | None] | None = None,
+) -> EpochStats:
+    """One training phase of a client's round: ``epochs`` of :func:`sgd` on ``params`` in train mode,
+    seeded by ``seed`` (shuffling and dropout alike), the model's mode restored after."""
+    if not params:
+        raise ValueError("this phase has no trainable parameters")
+    was_training = model.training
+    model.train()
+    try:
+        with seeded(seed, batches.device):
+            return sgd(model, params, batches, config, epochs, seed, penalty)
+    finally:
+        model.train(was_training)

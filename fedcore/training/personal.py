@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from fedcore.layers import AtomConv2d
 from fedcore.training.config import TrainConfig
-from fedcore.training.loop import Batches, Dataset, resolve_device, seeded, sgd
+from fedcore.training.loop import Batches, Dataset, phase, resolve_device
 
 __all__ = ["atom_names", "check_personal_atoms", "personalized_model", "train_personal", "train_personal_atoms"]
 
@@ -94,10 +94,8 @@ def train_personal(
     params = {name: named[name] for name in atom_names(personal)}
     for p in params.values():
         p.requires_grad_(True)
-    personal.train()
     pseed = (seed + _PERSONAL_SEED_OFFSET) % 2**64
-    with seeded(pseed, device):
-        stats = sgd(personal, params, batches, config, config.effective_personal_epochs, pseed)
+    stats = phase(personal, params, batches, config, config.effective_personal_epochs, pseed)
     metrics = {
         "personal_train_loss": stats.loss,
         "personal_train_accuracy": stats.accuracy,

@@ -12,8 +12,11 @@ from collections.abc import Callable, Mapping
 from torch import Tensor, nn
 
 from fedcore.training.config import LocalResult, TrainConfig
-from fedcore.training.loop import Batches, Dataset, resolve_device, seeded, sgd
+from fedcore.training.ditto import check_personal_model, train_ditto
+from fedcore.training.fedrep import head_parameters, train_head
+from fedcore.training.loop import Batches, Dataset, resolve_device, seeded, sgd, training_only
 from fedcore.training.personal import atom_names, check_personal_atoms, train_personal
+from fedcore.training.personalization import SPLITS
 from fedcore.training.terms import LocalTerms, combine, frobenius_penalty, proximal_penalty
 
 __all__ = ["local_update"]
@@ -34,6 +37,7 @@ def local_update(
     server_control: Mapping[str, Tensor] | None = None,
     client_state: Mapping[str, Mapping[str, Tensor]] | None = None,
     personal_atoms: Mapping[str, Tensor] | None = None,
+    personal_model: Mapping[str, Tensor] | None = None,
     on_epoch: Callable[[int, int], None] | None = None,
 ) -> LocalResult:
     """One client's round of local training; ``model`` is trained in place on the resolved device.
@@ -46,12 +50,23 @@ def local_update(
     under momentum (:func:`~fedcore.training.terms.step_weight`). With ``personal_atoms`` the
     client's atoms are first trained on a frozen copy of the received model (see
     :func:`~fedcore.training.personal.train_personal_atoms`); the global update that follows
-    is unaffected by it.
+    is unaffected by it. With ``config.personalization == "ditto"`` the client's ``personal_model``
+    ``v_k`` is trained first in the same way (:func:`~fedcore.training.ditto.train_ditto`) and returned
+    as ``personal_model``; with ``"fedrep"`` the head is trained first
+    (:func:`~fedcore.training.fedrep.train_head`) and then only the body. The other baselines train
+    the model as it is given (the caller loads the client's personal tensors into it).
     """
     began = time.perf_counter()
     device = resolve_device(config.device)
+    method = config.personalization
     if personal_atoms is not None:
+        if method != "none":
+            raise ValueError(f"personal atoms are a personalization of their own; not with {method!r}")
         check_personal_atoms(model, personal_atoms)
+    if (personal_model is not None) != (method == "ditto"):
+        raise ValueError("Ditto needs the client's personal model, and only Ditto takes one")
+    if personal_model is not None:
+        check_personal_model(model, personal_model)
     model.to(device)
     was_training = model.training
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
@@ -62,6 +77,11 @@ def local_update(
     if terms is None:
         terms = LocalTerms(control=server_control is not None)
     plan = terms.begin(params, server_control, client_state, device)
+    if plan is not None and method in SPLITS:
+        raise ValueError(
+            f"the strategy's client state (SCAFFOLD's control variates, FedDyn's or FedDC's terms) spans "
+            f"the whole model; it does not compose with {method!r}"
+        )
 
     metrics: dict[str, float] = {}
     new_personal: dict[str, Tensor] | None = None
@@ -70,6 +90,16 @@ def local_update(
         state = personal.state_dict()
         new_personal = {name: _cpu(state[name]) for name in atom_names(personal)}
         del personal
+    new_model: dict[str, Tensor] | None = None
+    if personal_model is not None:
+        ditto, ditto_metrics = train_ditto(model, batches, config, personal_model, seed)
+        metrics.update(ditto_metrics)
+        new_model = {k: _cpu(v) for k, v in ditto.state_dict().items()}
+        del ditto
+    if method == "fedrep":
+        metrics.update(train_head(model, batches, config, seed))
+        head = set(head_parameters(model))
+        params = {n: p for n, p in params.items() if n not in head}
 
     if plan is not None:
         start = plan.start
@@ -83,7 +113,7 @@ def local_update(
     correction = plan.correction if plan is not None else None
     model.train()
     try:
-        with seeded(seed, device):
+        with training_only(model, params), seeded(seed, device):
             stats = sgd(model, params, batches, config, config.local_epochs, seed, penalty, correction, on_epoch)
     finally:
         model.train(was_training)
@@ -107,4 +137,5 @@ def local_update(
         strategy_state=strategy_state,
         control_delta=control_delta,
         personal_atoms=new_personal,
+        personal_model=new_model,
     )
