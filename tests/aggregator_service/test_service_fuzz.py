@@ -11,6 +11,7 @@ after each refused call and compared with what it held before.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import grpc
 import pytest
@@ -47,20 +48,14 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def live(request, tmp_path_factory) -> Iterator[tuple[object, object]]:
     """A real aggregator over the backend with one enrolled client (the caller of authenticated RPCs)."""
-    if request.param == "sqlite":
-        urls = iter([f"sqlite:///{tmp_path_factory.mktemp('fuzz') / 'fedatoms.db'}"])
-        cm = None
-    else:
-        cm = postgres_schema(postgres_base())
-        urls = iter([cm.__enter__()])
-    svc = start_aggregator(next(urls))
-    client = register(svc.stub, 1.0, shards(1)[0])
-    try:
-        yield svc, client
-    finally:
-        svc.stop()
-        if cm is not None:
-            cm.__exit__(None, None, None)
+    with ExitStack() as stack:
+        if request.param == "sqlite":
+            url = f"sqlite:///{tmp_path_factory.mktemp('fuzz') / 'fedatoms.db'}"
+        else:
+            url = stack.enter_context(postgres_schema(postgres_base()))
+        svc = start_aggregator(url)
+        stack.callback(svc.stop)
+        yield svc, register(svc.stub, 1.0, shards(1)[0])
 
 
 def _rows(url: str) -> dict[str, object]:
