@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -21,6 +21,7 @@ from aggregator_service.listen import is_loopback, split_listen
 from aggregator_service.rounds import CohortSampler, Federation
 from aggregator_service.strategies import Setting, accepts, build_strategy, strategy_class
 from aggregator_service.toml_settings import TomlSettings
+from aggregator_service.update_bounds import UpdateBounds
 from fedcore.spec import ModelSpec
 from fedcore.tiers import TIERS
 from fedcore.training import TrainConfig
@@ -261,8 +262,16 @@ class AggregatorSettings(TomlSettings):
     #: Largest sample count a client may declare at Register; a push may claim no more than its client
     #: declared (or this, for a client that declared none), so no client weighs more than it said it would.
     max_client_samples: int = Field(default=10_000_000, gt=0)
+    #: Largest magnitude of any value of an update aligned to full rank (U·Vᵀ for a low-rank tier); beyond: refused.
+    max_update_value: float = Field(default=1e9, gt=0.0)
+    #: Largest L2 distance ‖new − global‖₂ one update may move the model by; unset: no norm bound (docs/trust.md).
+    max_update_norm: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
+    #: What an update over max_update_norm gets: "reject" (INVALID_ARGUMENT at push) or "clip" (scaled to the bound).
+    update_norm_mode: Literal["reject", "clip"] = "reject"
     #: Server-side test set evaluated after every round (e.g. "digits"); unset: no server evaluation.
     eval_dataset: str | None = None
+    #: How `aggregator serve` writes its log: "logfmt" (key=value lines) or "json" (one JSON object a line).
+    log_format: Literal["logfmt", "json"] = "logfmt"
     eval_data_dir: str | None = None
     federation: FederationConfig = Field(default_factory=FederationConfig)
     #: The ``[dashboard]`` table of a shared TOML file: `fedatoms dashboard serve` reads it, the aggregator does not.
@@ -291,6 +300,10 @@ class AggregatorSettings(TomlSettings):
     @property
     def tls(self) -> bool:
         return self.tls_cert is not None
+
+    @property
+    def update_bounds(self) -> UpdateBounds:
+        return UpdateBounds(self.max_update_value, self.max_update_norm, self.update_norm_mode)
 
     @property
     def push_limit(self) -> int:

@@ -19,6 +19,7 @@ from aggregator_service.intervals import IntervalPolicy, discrepancy
 from aggregator_service.metrics import latent_clients
 from aggregator_service.refactorization import refactorize
 from aggregator_service.strategies import RoundAccumulator, Strategy
+from aggregator_service.update_bounds import UpdateBounds
 from aggregator_service.updates import AggregateResult, ClientUpdate
 from fedcore.keys import derive_seed
 from fedcore.spec import ModelSpec
@@ -129,6 +130,7 @@ class Federation:
         self._acc: RoundAccumulator | None = None
         self._plan: RoundPlan | None = None
         self._fold_order: list[str] = []
+        self.bounds: UpdateBounds | None = None  # the service's update bounds; clip mode acts at fold
 
     # -- what clients download
     def tier_spec(self, tier: float) -> ModelSpec:
@@ -187,6 +189,8 @@ class Federation:
             raise RuntimeError("no open round")
         if update.client_id not in self._plan.cohort:
             raise ValueError(f"client {update.client_id} is not in round {self._plan.round}'s cohort")
+        if self.bounds is not None:
+            update = self.bounds.clip(update, self.global_tensors)
         self.strategy.fold(self._acc, update)
         self._fold_order.append(update.client_id)
 

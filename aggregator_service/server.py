@@ -20,11 +20,12 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from torch import Tensor
 
-from aggregator_service import store
+from aggregator_service import request_checks, store
 from aggregator_service.admission import Gate
 from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
 from aggregator_service.coordinator import ClientInfo, Coordinator, Done, OpenRound, PushResult, Train, kv
@@ -363,8 +364,9 @@ def _credentials(settings: AggregatorSettings) -> grpc.ServerCredentials:
 
 
 def _add_servicer(servicer: AggregatorServicer, server: grpc.Server) -> None:
-    """What ``add_AggregatorServicer_to_server`` does, but with :func:`framing.serialize` for every method
-    and PushUpdate's chunks parsed in place.
+    """What ``add_AggregatorServicer_to_server`` does, but with :func:`framing.serialize` for every method,
+    PushUpdate's chunks parsed in place, and requests decoded and checked by :mod:`.request_checks`
+    (gRPC's own deserializer would answer INTERNAL to bytes that do not parse).
 
     Built from the service descriptor, so every RPC the proto declares is served (a test checks it).
     """
@@ -378,14 +380,42 @@ def _add_servicer(servicer: AggregatorServicer, server: grpc.Server) -> None:
     in_place = {"PushUpdate": framing.parse_push_message}  # megabytes of chunk data are not copied into messages
     handlers = {
         m.name: kinds[(m.client_streaming, m.server_streaming)](
-            getattr(servicer, m.name),
-            request_deserializer=in_place.get(m.name, getattr(pb, m.input_type.name).FromString),
+            _decoding(
+                getattr(servicer, m.name),
+                in_place.get(m.name, getattr(pb, m.input_type.name).FromString),
+                m.input_type.full_name,
+                m.client_streaming,
+            ),
+            request_deserializer=None,  # bytes: decoded by _decoding
             response_serializer=framing.serialize,
         )
         for m in service.methods
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
     server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _decoding(behaviour: Callable[..., Any], parse: Callable[[bytes], Any], what: str, streaming: bool) -> Any:
+    """``behaviour`` fed decoded, checked requests; a request that fails either is INVALID_ARGUMENT."""
+
+    def checked(data: bytes) -> Any:
+        message = request_checks.decode(parse, data, what)
+        if isinstance(message, Message):
+            request_checks.check_message(message)
+        return message
+
+    if streaming:  # the handler iterates: its errors map as every other refusal does (_rpc)
+        return lambda requests, context: behaviour(map(checked, requests), context)
+
+    def unary(data: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            request = checked(data)
+        except InvalidArgument as exc:
+            log.debug(kv("rpc_refused", method=what, code="INVALID_ARGUMENT", peer=context.peer(), detail=str(exc)))
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return behaviour(request, context)
+
+    return unary
 
 
 def build_server(
@@ -466,7 +496,7 @@ def serve(settings: AggregatorSettings) -> int:
     Refuses to start (exit code 1) while another aggregator serves the same federation on the
     same database (:func:`aggregator_service.store.exclusive_federation`).
     """
-    configure_logging()
+    configure_logging(log_format=settings.log_format)
     reuse_message_buffers()
     try:
         with store.exclusive_federation(settings.database_url, settings.federation_name) as lock:

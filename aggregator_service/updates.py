@@ -24,7 +24,8 @@ class ClientUpdate:
 
     ``tensors`` are named as in the client's tier ``spec`` (factor pairs whole) and hold the
     due subset; ``control_delta`` is SCAFFOLD's ``Δc_k = c_k⁺ − c_k``, keyed by the tier's
-    trainable tensor names.
+    trainable tensor names. ``aligned``, when set, are the full-rank values the server folds
+    instead of ``spec.to_full(tensors)`` (an update clipped at full rank, :mod:`.update_bounds`).
     """
 
     client_id: str
@@ -34,6 +35,11 @@ class ClientUpdate:
     tensors: Mapping[str, Tensor]
     control_delta: Mapping[str, Tensor] | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
+    aligned: Mapping[str, Tensor] | None = None
+
+    def full_tensors(self) -> dict[str, Tensor]:
+        """The update at full rank (FedHM eq. 1): ``aligned`` when the server set it, else ``spec.to_full(tensors)``."""
+        return dict(self.aligned) if self.aligned is not None else self.spec.to_full(self.tensors)
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:

@@ -13,6 +13,8 @@ import copy
 import json
 import logging
 import random
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -42,8 +44,11 @@ __all__ = [
     "AggregatorClient",
     "Backoff",
     "Fetched",
+    "RegistrationRefused",
+    "ServerSpeaksTLS",
     "Unauthenticated",
     "channel_options",
+    "speaks_tls",
     "task_from_proto",
 ]
 
@@ -76,6 +81,31 @@ def channel_options(server_name: str | None = None) -> list[tuple[str, Any]]:
 
 class Unauthenticated(RuntimeError):
     """The server refused the token (unknown or revoked) or the enrollment secret: retrying cannot help."""
+
+
+class RegistrationRefused(ValueError):
+    """Register answered that this client cannot join as declared (no tier fits, a bad profile): fix the profile."""
+
+
+class ServerSpeaksTLS(ValueError):
+    """A plaintext channel reached a server that answers a TLS handshake: retrying cannot help, --tls-ca can."""
+
+
+def speaks_tls(target: str, timeout: float = 3.0) -> bool:
+    """Whether the server at ``HOST:PORT`` completes a TLS handshake (its certificate is not checked: only asked)."""
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with (
+            socket.create_connection((host, int(port)), timeout=timeout) as raw,
+            context.wrap_socket(raw, server_hostname=host or None),
+        ):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass
@@ -154,6 +184,7 @@ class AggregatorClient:
             self.channel = grpc.secure_channel(target, _credentials(tls_ca, tls_cert, tls_key), options=options)
         else:
             self.channel = grpc.insecure_channel(target, options=options)
+        self._probe_tls = not (tls_ca or tls_cert)  # a plaintext channel failing: ask once whether the server wants TLS
         self.stub = pb_grpc.AggregatorStub(self.channel)
         self._fetch_model = framing.fetch_model(self.channel)  # chunks parsed in place, not as messages
         self._push_update = framing.push_update(self.channel)  # takes the batches push_messages serializes
@@ -198,6 +229,13 @@ class AggregatorClient:
                 code = exc.code() if hasattr(exc, "code") else None
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise Unauthenticated(f"{what}: {exc.details()}") from exc  # type: ignore[attr-defined]
+                if code == grpc.StatusCode.UNAVAILABLE and self._probe_tls:
+                    self._probe_tls = False
+                    if speaks_tls(self.target):
+                        raise ServerSpeaksTLS(
+                            f"the aggregator at {self.target} speaks TLS and this client connected without it: "
+                            "pass --tls-ca CA.pem, the CA bundle that signed the aggregator's certificate"
+                        ) from exc
                 elapsed = time.monotonic() - started
                 limit = self.backoff.max_elapsed
                 if code not in RETRYABLE or (limit is not None and elapsed >= limit):
@@ -222,7 +260,12 @@ class AggregatorClient:
         request = pb.RegisterRequest(profile=_profile_message(profile), enrollment_secret=enrollment_secret)
         if name:
             request.client_name = name
-        reply = self._call("Register", lambda: self.stub.Register(request, timeout=self.rpc_timeout))
+        try:
+            reply = self._call("Register", lambda: self.stub.Register(request, timeout=self.rpc_timeout))
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):  # type: ignore[attr-defined]
+                raise RegistrationRefused(f"the aggregator refused to register this client: {exc.details()}") from exc  # type: ignore[attr-defined]
+            raise
         self.token = reply.token
         return reply, ModelSpec.from_json(reply.model_spec_json)
 

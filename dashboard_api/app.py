@@ -14,6 +14,7 @@ from importlib.resources import files
 from typing import Any
 
 from fastapi import FastAPI, Request, Response, status
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
@@ -36,6 +37,7 @@ __all__ = ["create_app", "create_engine"]
 log = logging.getLogger(__name__)
 API_PREFIX = "/api/v1"
 STATIC = files("dashboard_api") / "static"
+SWAGGER_UI_URL = "/static/vendor/swagger-ui"  # Swagger UI, vendored (README.md there): /docs works offline
 
 
 def create_engine(database_url: str) -> Engine:
@@ -79,6 +81,8 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
         description="Rounds, variance, bandwidth, clients and intervals of one federation, read from the "
         "aggregator's database; pause, resume and revoke with the admin token.",
         lifespan=lifespan,
+        docs_url=None,  # served below from vendored files: FastAPI's own page loads Swagger UI from a CDN
+        redoc_url=None,
     )
     app.state.dashboard = state
     app.openapi = lambda: _openapi(app, reads_open=settings.read_token is None)  # type: ignore[method-assign]
@@ -136,6 +140,17 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def index() -> HTMLResponse:
         return HTMLResponse(page)
+
+    @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)
+    def docs() -> HTMLResponse:
+        """The OpenAPI page, Swagger UI from local files: it works offline."""
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=f"{app.title} — API",
+            swagger_js_url=f"{SWAGGER_UI_URL}/swagger-ui-bundle.js",
+            swagger_css_url=f"{SWAGGER_UI_URL}/swagger-ui.css",
+            swagger_favicon_url=f"{SWAGGER_UI_URL}/favicon-32x32.png",
+        )
 
     app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")
     return app

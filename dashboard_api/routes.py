@@ -33,7 +33,9 @@ Offset = Annotated[int, Query(ge=0, le=2**31 - 1, description="items to skip")]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE, description=f"page size, at most {MAX_PAGE}")]
 After = Annotated[int | None, Query(ge=0, le=2**31 - 1, description="only rounds numbered above this")]
 RoundNumber = Annotated[int, Path(ge=1, le=2**31 - 1, description="round number (from 1)")]
-ClientId = Annotated[str, Path(min_length=1, max_length=64, description="client id (32 hex digits)")]
+ClientId = Annotated[
+    str, Path(min_length=1, max_length=64, pattern=r"^[0-9A-Za-z_-]+$", description="client id (32 hex digits)")
+]
 
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"model": Problem, "description": "no such federation or item"}}
 _READ_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -188,7 +190,9 @@ def get_intervals(
     fed: FederationRow,
     after: After = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="closed rounds of history, oldest first")] = 200,
-    tensor: Annotated[str | None, Query(max_length=255, description="only this tensor")] = None,
+    tensor: Annotated[
+        str | None, Query(max_length=255, pattern=r"^[0-9A-Za-z_.-]+$", description="only this tensor")
+    ] = None,
 ) -> dict[str, Any]:
     """Each tensor's current interval τ_l and its τ_l, d_l and dispersion history."""
     return queries.intervals(session, fed.id, after, limit, tensor)

@@ -10,6 +10,7 @@ back from the aggregator's database, in the in-process simulator's format.
 from __future__ import annotations
 
 import secrets
+import shutil
 import sys
 import tempfile
 import time
@@ -57,10 +58,11 @@ def run_grpc_simulation(
         load_dataset(config.dataset, config.data_dir, download=True)  # once, before the workers look for it
     started = time.perf_counter()
     root = Path(state_dir or tempfile.mkdtemp(prefix="fedatoms-sim-"))
+    temporary = state_dir is None  # made here: removed at the end with what it holds (a run leaves ~80 MB)
     owned = None
     if server is None:
         if database_url is None:
-            database_url = f"sqlite:///{root / 'aggregator.db'}"
+            database_url = f"sqlite:///{root / 'aggregator.db'}"  # inside the root: kept or removed with it
         enrollment_secret = enrollment_secret or secrets.token_urlsafe(16)
         settings = AggregatorSettings(
             listen="127.0.0.1:0",
@@ -153,7 +155,19 @@ def run_grpc_simulation(
     totals = {k: records[-1][f"cumulative_{k}"] for k in TOTALS}
     summary = summarize(records, totals, time.perf_counter() - started)
     out = config.to_dict()
+    if temporary:
+        shutil.rmtree(root)
+        held = "client state, database" if _inside(database_url, root) else "client state"
+        say(f"removed the temporary directory {root} ({held})")
+    else:
+        say(f"kept: client state in {root}")
+    if not _inside(database_url, root) or not temporary:
+        say(f"kept: the database {database_url}")
     return {"config": out, "rounds": records, "summary": summary}
+
+
+def _inside(database_url: str, root: Path) -> bool:
+    return database_url.startswith(f"sqlite:///{root}")
 
 
 def _start_aggregator(settings: AggregatorSettings) -> tuple[Any, int, Any]:

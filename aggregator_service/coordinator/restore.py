@@ -51,6 +51,7 @@ def load(shared: Shared) -> None:
             _check_config(shared, row.config)
         total = store.count_clients(s, row, include_revoked=False)
         fed = shared.config.build_federation(num_clients_total=max(1, total))
+        fed.bounds = settings.update_bounds
         if created:
             intervals = fed.policy.intervals()
             store.save_global_tensors(s, row, {n: (t, 0, intervals[n]) for n, t in fed.global_tensors.items()})

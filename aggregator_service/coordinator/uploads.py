@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -113,9 +114,11 @@ class Uploads:
                 spec = fed.tier_spec(client.tier)
                 due = fed.tier_due(client.tier, op.plan.due)
                 scaffold = bool(fed.strategy.client_config().get("scaffold"))
+                start = dict(fed.global_tensors)  # the values this round began from (a close replaces, never mutates)
         except _LatePush as late:  # answered outside the lock: it writes
             return self._refuse_late(client, round_, update_id, late), None
         model, deltas = check_tensors(spec, round_, due, tensors, control_delta, scaffold=scaffold)
+        shared.settings.update_bounds.check(spec, {n: torch.from_numpy(a) for n, a in model.items()}, start)
         size = nbytes if nbytes is not None else sum(a.nbytes for a in [*model.values(), *(deltas or {}).values()])
         if tensor_bytes is None:
             tensor_bytes = {}

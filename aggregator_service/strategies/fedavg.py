@@ -74,7 +74,7 @@ class FedAvg(Strategy):
     def _aligned(self, acc: RoundAccumulator, update: ClientUpdate) -> dict[str, Tensor]:
         """The update's due tensors at full rank, minus local ones; shapes checked."""
         try:
-            full = update.spec.to_full(update.tensors)
+            full = update.full_tensors()
         except KeyError as exc:
             raise ValueError(f"client {update.client_id}: {exc.args[0]}") from exc
         local = self.local_tensors(update.spec)

@@ -14,7 +14,11 @@ DB_HELP = "database URL [FEDATOMS_DATABASE_URL, else sqlite:///fedatoms.db]"
 def _settings(args: argparse.Namespace) -> Any:
     from aggregator_service.config import AggregatorSettings
 
-    overrides = {"listen": getattr(args, "listen", None), "database_url": args.database_url}
+    overrides = {
+        "listen": getattr(args, "listen", None),
+        "database_url": args.database_url,
+        "log_format": getattr(args, "log_format", None),
+    }
     if getattr(args, "config", None) is not None:
         return AggregatorSettings.from_toml(args.config, **overrides)
     return AggregatorSettings(**{k: v for k, v in overrides.items() if v is not None})
@@ -70,6 +74,7 @@ def add_parser(sub: Any) -> None:
     serve.add_argument("--config", type=Path, help="TOML file: service keys, and the method under [federation]")
     serve.add_argument("--listen", help="HOST:PORT to listen on [127.0.0.1:50051]")
     serve.add_argument("--database-url", help=DB_HELP)
+    serve.add_argument("--log-format", choices=("logfmt", "json"), help="log lines as logfmt or JSON [logfmt]")
     serve.set_defaults(func=cmd_aggregator_serve)
 
     revoke = agg_sub.add_parser("revoke", help="revoke a client's token (works while the server runs)")

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 from sqlalchemy import func, select
@@ -18,8 +19,10 @@ from sqlalchemy.orm import Session
 from support import free_port, wait_serving  # noqa: F401  (re-exported for the service tests)
 
 from aggregator_service import store
-from aggregator_service.config import FederationConfig
+from aggregator_service.config import AggregatorSettings, FederationConfig
+from aggregator_service.coordinator import Coordinator
 from aggregator_service.rounds import Federation, RoundPlan
+from aggregator_service.server import build_server
 from aggregator_service.updates import ClientUpdate
 from client_agent.state import ClientState
 from client_agent.transport import task_from_proto
@@ -33,6 +36,40 @@ from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
 SECRET = "test-enrollment-secret"
+
+
+@dataclass
+class Service:
+    url: str
+    settings: AggregatorSettings
+    coordinator: Coordinator
+    server: grpc.Server
+    port: int
+    channel: grpc.Channel
+
+    @property
+    def stub(self) -> pb_grpc.AggregatorStub:
+        return pb_grpc.AggregatorStub(self.channel)
+
+    def stop(self) -> None:
+        self.channel.close()
+        self.server.stop(grace=None)
+
+
+def start_aggregator(url: str, federation: FederationConfig | None = None, **settings: Any) -> Service:
+    """A real aggregator on an ephemeral loopback port over ``url`` (migrated), started; ``stop()`` it."""
+    s = AggregatorSettings(
+        listen="127.0.0.1:0",
+        database_url=url,
+        enrollment_secret=SECRET,
+        federation=federation or small_federation(),
+        **settings,
+    )
+    store.upgrade(url)
+    coordinator = Coordinator(s, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1_000)
+    server, port, _ = build_server(s, coordinator, max_workers=8)
+    server.start()
+    return Service(url, s, coordinator, server, port, grpc.insecure_channel(f"127.0.0.1:{port}"))
 
 
 def small_federation(**overrides: Any) -> FederationConfig:

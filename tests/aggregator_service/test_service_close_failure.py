@@ -2,12 +2,15 @@
 
 The failing close is a real one: an enrolled tier-1/4 client pushes finite low-rank factors so large
 that their product overflows float32 when the server aligns them to full rank (every value passes
-validation). Without the rule, every tick would retry the close and the clients would wait forever.
+validation). The magnitude bound refuses such pushes (test_service_update_bounds); here it is lifted
+(``max_update_value = inf``) to produce the failure it guards against. Without the rule, every tick
+would retry the close and the clients would wait forever.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -29,7 +32,7 @@ def _round_state(url: str, number: int) -> str:
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_the_same_close_failure_twice_abandons_the_round(start_service, request, backend, caplog) -> None:
-    svc = start_service(request.getfixturevalue(f"{backend}_url"))
+    svc = start_service(request.getfixturevalue(f"{backend}_url"), max_update_value=math.inf)
     data = shards(2)
     full, low = register(svc.stub, 1.0, data[0]), register(svc.stub, 0.25, data[1])
     caplog.set_level(logging.INFO, logger="fedatoms.aggregator")

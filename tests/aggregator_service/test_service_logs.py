@@ -1,8 +1,11 @@
-"""The aggregator's log is valid logfmt that a client cannot forge or flood.
+"""The aggregator's log is valid logfmt, or JSON lines, that a client cannot forge or flood.
 
-A real ``fedatoms aggregator serve`` process registers clients whose names carry a newline with a
-forged ``event=federation_lock_lost``, a NUL and 300 kB; its log is then parsed line by line with
-an independent logfmt reader (a regex over ``key=value`` and ``key="json string"``).
+A real ``fedatoms aggregator serve`` process (``--log-format logfmt`` and ``json``) is sent
+client names built to break a log line: quotes, spaces and ``key=value`` text that would forge
+``event=federation_lock_lost`` in a naive logfmt writer, a backslash, non-ASCII, the longest name
+accepted; and names the service refuses at the door (a newline with a forged line after it, a NUL,
+300 kB), which must not reach the log at all. The log is then parsed line by line with an
+independent reader: a regex over ``key=value`` and ``key="json string"``, or ``json.loads``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_helpers import SECRET
 from support import free_port, wait_serving
 
@@ -24,7 +28,7 @@ from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 _PAIR = re.compile(r'([a-z_]+)=("(?:[^"\\]|\\.)*"|[^ "]+)')
 
 
-def _parse(line: str) -> dict[str, str]:
+def _parse_logfmt(line: str) -> dict[str, str]:
     """key=value pairs of one logfmt line; the whole line must be made of them."""
     pairs = _PAIR.findall(line)
     rebuilt = " ".join(f"{k}={v}" for k, v in pairs)
@@ -32,37 +36,60 @@ def _parse(line: str) -> dict[str, str]:
     return {k: json.loads(v) if v.startswith('"') else v for k, v in pairs}
 
 
-def test_client_controlled_values_cannot_forge_or_flood_log_lines(tmp_path) -> None:
+def _parse_json(line: str) -> dict[str, str]:
+    record = json.loads(line)
+    assert isinstance(record, dict), line
+    return record
+
+
+FORGED = 'edge" level=ERROR event=federation_lock_lost detail="x'
+HOSTILE = [FORGED, 'back\\slash "quoted" é ✓', "y" * 128]
+REFUSED = [
+    "edge\nts=2026-01-01T00:00:00.000 level=ERROR logger=fedatoms.aggregator event=federation_lock_lost",
+    "nul\x00byte",
+    "x" * 300_000,
+]
+
+
+@pytest.mark.parametrize("log_format", ["logfmt", "json"])
+def test_client_controlled_values_cannot_forge_or_flood_log_lines(tmp_path, log_format) -> None:
     config = tmp_path / "federation.toml"
     config.write_text(f'enrollment_secret = "{SECRET}"\n')
     log, target = tmp_path / "server.log", f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "fedatoms", "aggregator", "serve", "--config", str(config), "--listen", target]
-    cmd += ["--database-url", f"sqlite:///{tmp_path / 'agg.db'}"]
+    cmd += ["--database-url", f"sqlite:///{tmp_path / 'agg.db'}", "--log-format", log_format]
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen(cmd, cwd=root, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
     wait_serving(target)
-    forged = "edge\nts=2026-01-01T00:00:00.000 level=ERROR logger=fedatoms.aggregator event=federation_lock_lost"
-    names = [forged, "nul\x00byte", "x" * 300_000]
+    codes = []
     try:
         with grpc.insecure_channel(target) as channel:
             stub = pb_grpc.AggregatorStub(channel)
-            for name in names:
-                stub.Register(
-                    pb.RegisterRequest(
-                        profile=pb.CapabilityProfile(device_name="d", num_samples=10),
-                        enrollment_secret=SECRET,
-                        client_name=name,
-                    )
+            for name in HOSTILE + REFUSED:
+                request = pb.RegisterRequest(
+                    profile=pb.CapabilityProfile(device_name="d", num_samples=10),
+                    enrollment_secret=SECRET,
+                    client_name=name,
                 )
+                try:
+                    stub.Register(request)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
     finally:
         server.terminate()
         server.wait(30)
-    lines = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("ts=")]
-    records = [_parse(line) for line in lines]
+    assert codes == [grpc.StatusCode.OK] * len(HOSTILE) + [grpc.StatusCode.INVALID_ARGUMENT] * len(REFUSED)
+    text = log.read_text(errors="replace")
+    lines = [line for line in text.splitlines() if line.strip()]
+    parse = _parse_json if log_format == "json" else _parse_logfmt
+    records = [parse(line) for line in lines]  # every line of the process, not only ours
     assert not any(r.get("event") == "federation_lock_lost" for r in records)
     registered = [r for r in records if r.get("event") == "client_registered"]
-    assert [r["name"] for r in registered[:2]] == [forged, "nul\x00byte"]  # logged whole, escaped
-    assert registered[2]["name"].startswith("x" * 200) and "(+299800 chars)" in registered[2]["name"]
+    assert [r["name"] for r in registered] == HOSTILE  # logged whole, escaped
+    assert "nul\\u0000byte" not in text and "nul\x00byte" not in text  # refused names never reach the log
+    assert "x" * 200 not in text
     assert max(len(line) for line in lines) < 2_000
     assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}", r["ts"]) for r in records)
+    assert {r["level"] for r in records} <= {"DEBUG", "INFO", "WARNING", "ERROR"}

@@ -310,3 +310,17 @@ def test_an_evaluation_sent_with_get_task_is_recorded_as_report_evaluation_recor
         evals = {e.client_id: e for e in store.round_evaluations(s, fed, 1)}
     assert set(evals) == {a.client_id}
     assert (evals[a.client_id].global_accuracy, evals[a.client_id].num_samples) == (0.5, 30)
+
+
+def test_client_run_without_tls_ca_against_a_tls_server_says_it_speaks_tls(
+    start_service, sqlite_url, pki: Path, tmp_path: Path, capsys
+) -> None:
+    """Before: "Socket closed" retried until --give-up-after, then exit 4 with no hint."""
+    svc = start_service(sqlite_url, tls_cert=pki / "server.pem", tls_key=pki / "server.key")
+    argv = ["client", "run", "--server", f"127.0.0.1:{svc.port}", "--enrollment-secret", SECRET]
+    argv += ["--partition-index", "0", "--state-dir", str(tmp_path / "state"), "--give-up-after", "60"]
+    assert main(argv) == 2  # told at the first failure: before, exit 4 after the 60 s give-up time
+    err = capsys.readouterr().err
+    line = [ln for ln in err.splitlines() if "speaks TLS" in ln]
+    assert len(line) == 1 and "--tls-ca" in line[0] and f"127.0.0.1:{svc.port}" in line[0], err
+    assert snapshot(sqlite_url)["clients"] == []  # nothing registered

@@ -70,8 +70,8 @@ def test_every_rpc_of_the_proto_is_registered_with_its_streaming_kind(coordinato
         h: grpc.RpcMethodHandler = server.registered[m.name]
         assert (h.request_streaming, h.response_streaming) == (m.client_streaming, m.server_streaming)
         assert h.response_serializer is framing.serialize
-        in_place = framing.parse_push_message if m.name == "PushUpdate" else getattr(pb, m.input_type.name).FromString
-        assert h.request_deserializer == in_place
+        # bytes reach the handler, which decodes them itself: gRPC's deserializer would answer INTERNAL to bad bytes
+        assert h.request_deserializer is None
 
 
 def test_serialize_passes_bytes_through() -> None:

@@ -73,3 +73,16 @@ def test_a_bad_profile_value_is_one_line_and_exit_2(aggregator, tmp_path, capsys
     assert code == 2, err
     assert field in err and len(err.strip().splitlines()) == 1
     assert _clients(aggregator.url) == 0
+
+
+def test_a_profile_no_tier_fits_is_one_line_and_exit_2(aggregator, tmp_path, capsys) -> None:
+    """A device too small for the federation's smallest tier: the aggregator's FAILED_PRECONDITION, said in one line."""
+    profile = tmp_path / "profile.toml"
+    profile.write_text('device_name = "tiny"\nmemory_bytes = 1024\ncompute_macs = 10\n')
+    code, err = _run(
+        capsys, "--server", aggregator.target, "--state-dir", str(tmp_path / "d"), "--profile", str(profile)
+    )
+    assert code == 2, err
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("ts=")]  # the agent's own log lines aside
+    assert len(lines) == 1 and "no tier" in lines[0] and "tiny" in lines[0], err
+    assert _clients(aggregator.url) == 0

@@ -131,19 +131,46 @@ def test_personal_atoms_beat_the_global_model_on_local_tests(runs) -> None:
 
 
 def test_a_temporary_state_root_is_never_written_and_changes_nothing(tmp_path, monkeypatch) -> None:
-    """Without --state-dir the virtual clients keep no state on disk; the record is still the in-process one.
+    """Without --state-dir the virtual clients keep no state on disk, the temporary root is removed at the end,
+    and the record is still the in-process one.
 
     Half the clients per round: those left out of a cohort evaluate their deferred model while they wait.
     """
     small = {**CONFIG, "clients": 6, "rounds": 3, "fraction": 0.5}
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where the simulation makes its state root
+    seen: list[list[str]] = []  # the root's files, each time a round is reported (the run still going)
+
+    def files(_record: dict[str, Any]) -> None:
+        (root,) = tmp_path.glob("fedatoms-sim-*")
+        seen.append(sorted(p.name for p in root.rglob("*") if p.is_file()))
+
+    said: list[str] = []
     over_grpc = run_simulation(
-        SimulationConfig(transport="grpc", **small), database_url=f"sqlite:///{tmp_path / 'a.db'}", workers=2
+        SimulationConfig(transport="grpc", **small),
+        files,
+        database_url=f"sqlite:///{tmp_path / 'a.db'}",
+        workers=2,
+        announce=said.append,
     )
-    (root,) = tmp_path.glob("fedatoms-sim-*")
-    assert sorted(p.name for p in root.rglob("*") if p.is_file()) == ["credentials.json"] * 6  # identities only
+    assert seen and all(names == ["credentials.json"] * 6 for names in seen), seen  # identities only
+    assert list(tmp_path.glob("fedatoms-sim-*")) == []  # removed: nothing left in the temporary directory
+    assert any(line.startswith("removed the temporary directory") for line in said), said
+    assert f"kept: the database sqlite:///{tmp_path / 'a.db'}" in said  # given by the caller: kept, and said
     inprocess = run_simulation(SimulationConfig(**small))
     for a, b in zip(inprocess["rounds"], over_grpc["rounds"], strict=True):
         a, b = dict(a), dict(b)
         a.pop("wall_seconds"), b.pop("wall_seconds")
         _same(a, b, f"round {a['round']}")
+
+
+def test_a_run_without_database_url_or_state_dir_leaves_nothing_behind(tmp_path, monkeypatch) -> None:
+    """The SQLite database and the clients' state it created go with the temporary directory (~80 MB a run before)."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    small = {**CONFIG, "clients": 2, "rounds": 1, "personal_atoms": False, "interval_policy": "every_round"}
+    small.update(partition="iid")
+    said: list[str] = []
+    result = run_simulation(SimulationConfig(transport="grpc", **small), workers=1, announce=said.append)
+    assert [r["round"] for r in result["rounds"]] == [1]
+    assert list(tmp_path.glob("fedatoms-sim-*")) == [] and list(tmp_path.rglob("*.db*")) == []  # torch's caches aside
+    assert any("removed the temporary directory" in line and "database" in line for line in said), said
+    assert not any(line.startswith("kept") for line in said), said

@@ -117,6 +117,11 @@ def test_unknown_items_are_404_with_a_reason(api: httpx.Client, path: str, needl
         ("/clients?offset=x", "offset"),
         ("/bandwidth?limit=0", "limit"),
         ("/intervals?limit=5000", "limit"),
+        # a NUL byte reached PostgreSQL as a DataError, answered 503 "database unavailable" (issue 18)
+        ("/clients/%00", "client_id"),
+        ("/clients/a%0Ab", "client_id"),
+        ("/intervals?tensor=%00", "tensor"),
+        ("/intervals?tensor=conv1.weight%00", "tensor"),
     ],
 )
 def test_bad_parameters_are_422_naming_the_parameter(api: httpx.Client, path: str, param: str) -> None:

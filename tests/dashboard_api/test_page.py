@@ -87,3 +87,37 @@ def test_page_plots_the_rounds_without_console_errors(
             browser.close()
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
     assert problems == []
+
+
+def test_openapi_page_renders_swagger_ui_offline(dashboard: LiveServer) -> None:
+    """/docs draws the API with every request answered by the dashboard: no CDN, so it works offline."""
+    os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
+    from playwright.sync_api import sync_playwright
+
+    own = dashboard.base_url.rstrip("/")
+    elsewhere: list[str] = []
+    problems: list[str] = []
+
+    def offline(route) -> None:  # the network is cut: only the dashboard itself answers
+        if route.request.url.startswith(own):
+            route.continue_()
+        else:
+            elsewhere.append(route.request.url)
+            route.abort()
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        try:
+            page = browser.new_page()
+            page.route("**/*", offline)
+            page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+            page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
+            page.goto(own + "/docs")
+            page.wait_for_selector(".swagger-ui .opblock", timeout=30_000)
+            text = page.locator(".swagger-ui").inner_text()
+            assert "fedatoms dashboard" in text
+            for path in ("/api/v1/rounds", "/api/v1/clients/{client_id}", "/api/v1/intervals"):
+                assert path in text, path
+        finally:
+            browser.close()
+    assert elsewhere == [] and problems == []

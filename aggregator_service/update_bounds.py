@@ -1,0 +1,119 @@
+"""Bounds on how far one client's update may move the global model, measured at full rank.
+
+Validation proves an update well formed (names, shapes, finite values); it does not stop an
+enrolled client from pushing a well-formed update that drags the average wherever it likes.
+Two bounds act on the update *aligned to full rank* (FedHM eq. 1), the values the strategy
+averages, so a tier-1/4 client's factors count through their product ``U Vᵀ``:
+
+* a magnitude bound (always on): every aligned value ``|x| ≤ max_value``. Finite factors
+  whose product overflows float32 (or merely dwarfs any trained weight) are refused at push,
+  instead of failing the round's close.
+* a norm bound (the operator's option): ``‖Δ‖₂ ≤ max_norm`` for ``Δ = aligned − global`` over
+  the update's floating-point tensors. ``reject`` refuses the push; ``clip`` folds
+  ``global + Δ · min(1, max_norm/‖Δ‖)``, the fixed clipping of DP-FedAvg (McMahan et al. 2018,
+  Flower's ``DifferentialPrivacyServerSideFixedClipping`` without the noise).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from aggregator_service.errors import InvalidArgument
+from aggregator_service.updates import ClientUpdate
+from fedcore.spec import ModelSpec
+
+__all__ = ["NORM_MODES", "UpdateBounds"]
+
+NORM_MODES = ("reject", "clip")
+
+
+@dataclass(frozen=True)
+class UpdateBounds:
+    """``max_value`` bounds every aligned value; ``max_norm`` (None: off) the update's L2 distance to the global."""
+
+    max_value: float = 1e9
+    max_norm: float | None = None
+    mode: str = "reject"
+
+    def __post_init__(self) -> None:
+        if self.mode not in NORM_MODES:
+            raise ValueError(f"update_norm_mode must be one of {', '.join(NORM_MODES)}, got {self.mode!r}")
+        if not self.max_value > 0:
+            raise ValueError(f"max_update_value must be > 0, got {self.max_value}")
+        if self.max_norm is not None and not (self.max_norm > 0 and math.isfinite(self.max_norm)):
+            raise ValueError(f"max_update_norm must be a finite number > 0, got {self.max_norm}")
+
+    def check(self, spec: ModelSpec, tensors: Mapping[str, Tensor], global_tensors: Mapping[str, Tensor]) -> None:
+        """At push: refuse (InvalidArgument) an update over the magnitude bound, or the norm bound in reject mode."""
+        for name, peak in _peaks(spec, tensors, self.max_value).items():
+            if not peak <= self.max_value:  # NaN and inf fail too
+                raise InvalidArgument(
+                    f"tensor {name!r} (aligned to full rank) holds a value of magnitude {peak:.3g}, over "
+                    f"max_update_value = {self.max_value:g}: no trained model has such values"
+                )
+        if self.max_norm is not None and self.mode == "reject":
+            norm = delta_norm(_aligned(spec, tensors), global_tensors)
+            if norm > self.max_norm:
+                raise InvalidArgument(
+                    f"the update moves the model by ‖Δ‖₂ = {norm:.4g}, over max_update_norm = {self.max_norm:g}: "
+                    "train with a smaller learning rate or fewer local steps"
+                )
+
+    def clip(self, update: ClientUpdate, global_tensors: Mapping[str, Tensor]) -> ClientUpdate:
+        """At fold, in clip mode: the update with ``Δ`` scaled to ``max_norm`` when it is longer; else unchanged."""
+        if self.max_norm is None or self.mode != "clip":
+            return update
+        aligned = _aligned(update.spec, update.tensors)
+        norm = delta_norm(aligned, global_tensors)
+        if norm <= self.max_norm:
+            return update
+        scale = self.max_norm / norm
+        clipped = {}
+        for name, t in aligned.items():
+            g = global_tensors[name]
+            clipped[name] = (g.double() + (t.double() - g.double()) * scale).to(g.dtype) if t.is_floating_point() else t
+        return replace(update, aligned=clipped)
+
+
+def _peaks(spec: ModelSpec, tensors: Mapping[str, Tensor], limit: float) -> dict[str, float]:
+    """Full-rank name → the largest |value| of the aligned tensor, without aligning when a bound already shows it small.
+
+    A factor pair's product ``U V`` has ``|(U V)_ij| ≤ ‖U_i,:‖₂ ‖V_:,j‖₂`` (Cauchy–Schwarz): only a pair whose bound
+    exceeds ``limit`` is multiplied out, so an honest push costs O(its size), not a matrix product per layer.
+    """
+    peaks: dict[str, float] = {}
+    for t in spec.tensors:
+        tensor = tensors.get(t.name)
+        if tensor is None or not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        if t.full_name is None:
+            peaks[t.name] = float(tensor.abs().max())
+        elif t.role.endswith("_u"):
+            v_name = t.name[: -len("_u")] + "_v"
+            u, v = tensor.double(), tensors[v_name].double()
+            bound = float(torch.linalg.vector_norm(u, dim=1).max() * torch.linalg.vector_norm(v, dim=0).max())
+            if bound <= limit:
+                peaks[t.full_name] = bound
+            else:
+                pair = spec.to_full({t.name: u, v_name: v})  # float64: the exact magnitude, even past float32's range
+                peaks[t.full_name] = float(pair[t.full_name].abs().max())
+    return peaks
+
+
+def _aligned(spec: ModelSpec, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The tensors at full rank as the strategy folds them; a product that overflows float32 is inf, over any bound."""
+    return spec.to_full(tensors)
+
+
+def delta_norm(aligned: Mapping[str, Tensor], global_tensors: Mapping[str, Tensor]) -> float:
+    """``‖aligned − global‖₂`` over the floating-point tensors, in float64 (integer counters do not count)."""
+    total = 0.0
+    for name, tensor in aligned.items():
+        if tensor.is_floating_point() and name in global_tensors:
+            total += float(torch.sum((tensor.double() - global_tensors[name].double()) ** 2))
+    return math.sqrt(total)

@@ -1,0 +1,110 @@
+"""Bounds on what one enrolled client's update can do to the global model, over real gRPC, SQLite and PostgreSQL.
+
+Every update here is made by hand around the global model the test reads from the database, so the
+expected outcome follows from the bound alone: an update moved by ``Δ`` with ``‖Δ‖₂`` chosen as a
+multiple of ``max_update_norm`` is refused (reject) or folded as ``global + Δ·bound/‖Δ‖`` (clip).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import grpc
+import pytest
+import torch
+from grpc_helpers import global_tensors, register, shards, small_federation, snapshot
+
+BOUND = 0.5
+NAME = "head.bias"  # 10 values: Δ = c·(1, …, 1) has ‖Δ‖₂ = c·√10
+
+
+def _plain() -> object:
+    return small_federation(factorization="none", tiers=[1.0])
+
+
+def _moved(url: str, norm: float) -> dict[str, torch.Tensor]:
+    """The global model (read from the store) with ``head.bias`` moved by a vector of L2 norm ``norm``."""
+    tensors = {n: t.clone() for n, (t, _v) in global_tensors(url).items()}
+    tensors[NAME] = tensors[NAME] + norm / math.sqrt(tensors[NAME].numel())
+    return tensors
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_huge_low_rank_factors_are_refused_at_push(start_service, request, backend) -> None:
+    """Finite factors whose product overflows float32 (the close failure of test_service_close_failure) never get in."""
+    svc = start_service(request.getfixturevalue(f"{backend}_url"))
+    data = shards(2)
+    full, low = register(svc.stub, 1.0, data[0]), register(svc.stub, 0.25, data[1])
+    task = low.task()
+    low.fetch()
+    push = low.train(task)
+    before = snapshot(svc.url)
+    huge = {n: torch.full_like(t, 1e30) if n.endswith(("_u", "_v")) else t for n, t in push.tensors.items()}
+    with pytest.raises(grpc.RpcError) as err:
+        low.push(1, huge, num_samples=push.num_samples)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_update_value" in err.value.details() and "aligned to full rank" in err.value.details()
+    assert snapshot(svc.url) == before
+    # the same client's honest update is taken, and the round closes
+    assert low.push(1, push.tensors, num_samples=push.num_samples).accepted
+    round_, reply = full.round_trip()
+    assert round_ == 1 and reply.accepted
+    assert full.task().train.round == 2
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_reject_mode_refuses_an_update_over_the_norm_bound(start_service, request, backend) -> None:
+    svc = start_service(request.getfixturevalue(f"{backend}_url"), _plain(), max_update_norm=BOUND)
+    data = shards(2)
+    a, b = register(svc.stub, 1.0, data[0]), register(svc.stub, 1.0, data[1])
+    assert a.task().train.round == 1
+    before = snapshot(svc.url)
+    with pytest.raises(grpc.RpcError) as err:
+        a.push(1, _moved(svc.url, 2 * BOUND))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    said = re.search(r"‖Δ‖₂ = ([0-9.e+-]+), over max_update_norm = 0.5", err.value.details())
+    assert said is not None and float(said.group(1)) == pytest.approx(2 * BOUND, rel=1e-3), err.value.details()
+    assert snapshot(svc.url) == before  # nothing stored, nothing counted
+    assert a.push(1, _moved(svc.url, 0.9 * BOUND)).accepted  # within the bound: taken
+    assert b.push(1, _moved(svc.url, 0.0)).accepted
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_clip_mode_folds_the_update_scaled_to_the_bound(start_service, request, backend) -> None:
+    svc = start_service(
+        request.getfixturevalue(f"{backend}_url"), _plain(), max_update_norm=BOUND, update_norm_mode="clip"
+    )
+    data = shards(2)
+    a, b = register(svc.stub, 1.0, data[0]), register(svc.stub, 1.0, data[1])  # 150 samples each: equal weights
+    assert a.task().train.round == 1
+    start = {n: t for n, (t, _v) in global_tensors(svc.url).items()}
+    assert a.push(1, _moved(svc.url, 4 * BOUND)).accepted  # accepted whole, clipped at the fold
+    assert b.push(1, _moved(svc.url, 0.0)).accepted  # the global model itself: Δ = 0
+    assert a.task().train.round == 2
+    after = {n: t for n, (t, _v) in global_tensors(svc.url).items()}
+    # a's Δ (every entry 4·BOUND/√10) is clipped to ‖Δ‖ = BOUND, i.e. every entry BOUND/√10; averaged with b's 0
+    expected = start[NAME].double() + BOUND / math.sqrt(10) / 2
+    assert torch.allclose(after[NAME].double(), expected, atol=1e-6)
+    assert float(torch.linalg.vector_norm(after[NAME].double() - start[NAME].double())) == pytest.approx(BOUND / 2)
+    for n in start:
+        if n != NAME:
+            assert torch.equal(after[n], start[n]), n  # Δ = 0 elsewhere, for both clients
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_clip_mode_leaves_an_update_within_the_bound_as_it_is(start_service, request, backend) -> None:
+    svc = start_service(
+        request.getfixturevalue(f"{backend}_url"), _plain(), max_update_norm=BOUND, update_norm_mode="clip"
+    )
+    data = shards(2)
+    a, b = register(svc.stub, 1.0, data[0]), register(svc.stub, 1.0, data[1])
+    assert a.task().train.round == 1
+    start = {n: t for n, (t, _v) in global_tensors(svc.url).items()}
+    assert a.push(1, _moved(svc.url, 0.5 * BOUND)).accepted
+    assert b.push(1, _moved(svc.url, 0.5 * BOUND)).accepted
+    assert a.task().train.round == 2
+    after = global_tensors(svc.url)[NAME][0]
+    assert float(torch.linalg.vector_norm(after.double() - start[NAME].double())) == pytest.approx(
+        0.5 * BOUND, rel=1e-5
+    )
