@@ -20,6 +20,8 @@ from aggregator_service.listen import is_loopback, split_listen
 from aggregator_service.rounds import CohortSampler, Federation
 from aggregator_service.strategies import build_strategy
 from aggregator_service.toml_settings import TomlSettings
+from fedcore.datasource import describe
+from fedcore.model_input import Normalization
 from fedcore.spec import ModelSpec
 from fedcore.tiers import TIERS
 from fedcore.training import TrainConfig
@@ -70,6 +72,8 @@ class FederationConfig:
     atom_lr: str = FEDERATION_TRAINING.atom_lr
     fp16: bool = False
     seed: int = 0
+    #: ``{mean = [..], std = [..]}`` per input channel for clients' images; unset: each client's own statistics.
+    normalization: dict[str, list[float]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, str):
@@ -104,6 +108,14 @@ class FederationConfig:
                 "the fixed policy delays atom coefficients: it needs --factorization atoms or atoms-lowrank"
             )
         self.spec  # noqa: B018  # validates model, classes, factorization and atoms now, not mid-run
+        if self.normalization is not None:
+            norm = Normalization.from_dict(self.normalization)
+            channels = self.spec.input_shape[0]
+            if len(norm.mean) != channels:
+                raise ValueError(
+                    f"normalization has {len(norm.mean)} channels but model {self.model!r} takes {channels}"
+                )
+            self.normalization = norm.to_dict()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -199,12 +211,21 @@ class AggregatorSettings(TomlSettings):
     #: Largest sample count a client may declare at Register; a push may claim no more than its client
     #: declared (or this, for a client that declared none), so no client weighs more than it said it would.
     max_client_samples: int = Field(default=10_000_000, gt=0)
-    #: Server-side test set evaluated after every round (e.g. "digits"); unset: no server evaluation.
-    eval_dataset: str | None = None
+    #: Server-side test set evaluated after every round, named as a client's ``--data``: a bundled dataset
+    #: ("digits"), an ImageFolder directory or an import reference; the test split of it is evaluated.
+    #: Unset: no server evaluation.
+    eval_data: str | None = None
     eval_data_dir: str | None = None
     federation: FederationConfig = Field(default_factory=FederationConfig)
     #: The ``[dashboard]`` table of a shared TOML file: `fedatoms dashboard serve` reads it, the aggregator does not.
     dashboard: dict[str, Any] | None = None
+
+    @field_validator("eval_data")
+    @classmethod
+    def _check_eval_data(cls, value: str | None) -> str | None:
+        if value is not None:
+            describe(value, "eval_data")  # a typo fails at start, not after the first round
+        return value
 
     @field_validator("listen")
     @classmethod

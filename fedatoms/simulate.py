@@ -26,11 +26,13 @@ from client_agent.pool import Population, VirtualClient
 from client_agent.update import ClientEvaluation, TrainTask, evaluate_client, run_task
 from fedatoms.records import TOTALS, accumulate, mean_or_none, summarize
 from fedcore.codec import decode, encode
-from fedcore.data import INPUT_SHAPES, NUM_CLASSES, ArrayDataset, load_dataset
+from fedcore.data import INPUT_SHAPES, NUM_CLASSES, num_classes_of
+from fedcore.datasource import describe, open_data
+from fedcore.model_input import Normalization, fit_to_model
 from fedcore.keys import derive_seed
 from fedcore.models import model_info
 from fedcore.spec import ModelSpec
-from fedcore.training import evaluate
+from fedcore.training import Dataset, evaluate
 
 __all__ = ["DEFAULT_MODELS", "SimulationConfig", "run_simulation"]
 
@@ -49,6 +51,9 @@ class SimulationConfig(FederationConfig):
 
     model: str | None = None  # type: ignore[assignment]  # default: DEFAULT_MODELS[dataset]
     dataset: str = "digits"
+    # an ImageFolder directory or an import reference module:function (a bundled name sets dataset instead);
+    # the data's classes set num_classes, and images are fitted to the model's input
+    data: str | None = None
     data_dir: str | None = None
     download: bool = False
     clients: int = 20
@@ -63,17 +68,24 @@ class SimulationConfig(FederationConfig):
     output: str | None = None
 
     def __post_init__(self) -> None:
-        if self.model is None:
-            if self.dataset not in DEFAULT_MODELS:
-                raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DEFAULT_MODELS)}")
-            self.model = DEFAULT_MODELS[self.dataset]
-        self.num_classes = NUM_CLASSES.get(self.dataset, self.num_classes)
-        expected = INPUT_SHAPES.get(self.dataset)
-        if expected is not None and model_info(self.model).input_shape != expected:
-            raise ValueError(
-                f"model {self.model!r} takes inputs {model_info(self.model).input_shape}, "
-                f"but {self.dataset} images are {expected}"
-            )
+        if self.data is not None and describe(self.data) == "bundled":
+            self.dataset, self.data = self.data.lower(), None
+        if self.data is not None:
+            if self.model is None:
+                raise ValueError(f"--data {self.data} needs --model: the model that takes these images")
+            self.num_classes = num_classes_of(open_data(self.data)[0])
+        else:
+            if self.model is None:
+                if self.dataset not in DEFAULT_MODELS:
+                    raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DEFAULT_MODELS)}")
+                self.model = DEFAULT_MODELS[self.dataset]
+            self.num_classes = NUM_CLASSES.get(self.dataset, self.num_classes)
+            expected = INPUT_SHAPES.get(self.dataset)
+            if expected is not None and model_info(self.model).input_shape != expected:
+                raise ValueError(
+                    f"model {self.model!r} takes inputs {model_info(self.model).input_shape}, "
+                    f"but {self.dataset} images are {expected}"
+                )
         if self.clients < 1:
             raise ValueError("clients must be ≥ 1")
         super().__post_init__()
@@ -92,7 +104,7 @@ class SimulationConfig(FederationConfig):
     def population(self) -> Population:
         """The virtual clients, as a recipe any process can rebuild (both transports build them from it)."""
         return Population(
-            self.dataset,
+            self.data or self.dataset,
             self.data_dir,
             self.clients,
             tuple(self.tiers),
@@ -100,6 +112,8 @@ class SimulationConfig(FederationConfig):
             self.classes_per_client,
             self.dirichlet_alpha,
             self.seed,
+            input_shape=None if self.data is None else self.spec.input_shape,
+            normalization=self.normalization,
         )
 
 
@@ -140,9 +154,15 @@ def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: di
     if grpc_options:
         raise ValueError(f"{', '.join(sorted(grpc_options))} only apply to --transport grpc")
     started = time.perf_counter()
-    train, test = load_dataset(config.dataset, config.data_dir, download=config.download)
+    train, test = open_data(config.data or config.dataset, config.data_dir, download=config.download)
+    if test is None or len(test) == 0:
+        raise ValueError(f"--data {config.data}: a simulation evaluates on a test split, and this data has none")
     federation = build_federation(config)
-    clients = config.population().clients(train, test)
+    population = config.population()
+    clients = population.fitted(population.clients(train, test))
+    if population.input_shape is not None:  # the server's test split, normalized as eval_data is
+        given = None if config.normalization is None else Normalization.from_dict(config.normalization)
+        test, _, _ = fit_to_model(test, None, population.input_shape, given)
     by_id = {c.client_id: c for c in clients}
     train_config = config.train_config(device=config.device)
     fedavg_bytes = fedavg_transfer_bytes(config.spec)  # each transfer's FedAvg-equivalent
@@ -214,7 +234,7 @@ def _round_record(
     config: SimulationConfig,
     federation: Federation,
     outcome: RoundOutcome,
-    test: ArrayDataset,
+    test: Dataset,
     evaluations: list[ClientEvaluation],
     ledger: BandwidthLedger,
 ) -> dict[str, Any]:
