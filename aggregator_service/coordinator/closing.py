@@ -67,7 +67,7 @@ class Closing:
             norm = settings.federation.normalization
             self._eval_data = evaluation_set(
                 settings.eval_data,
-                shared.federation.spec.input_shape,
+                settings.federation.spec.input_shape,
                 None if norm is None else Normalization.from_dict(norm),
                 settings.eval_data_dir,
             )
