@@ -35,8 +35,8 @@ from client_agent.update import ClientEvaluation, evaluate_client, run_task
 from fedcore.data import check_labels
 from fedcore.model_input import Normalization, fit_to_model, needs_fitting
 from fedcore.spec import ModelSpec
-from fedcore.training import Dataset
 from fedcore.tiers import CapabilityProfile
+from fedcore.training import Dataset
 from fedwire.v1 import aggregator_pb2 as pb
 
 __all__ = ["CREDENTIALS_FILE", "EXIT_CODES", "Agent", "Credentials", "TrainingDiverged"]

@@ -29,10 +29,10 @@ import numpy as np
 from client_agent.state import ClientState
 from fedcore.data import labels_of, local_test_splits, partition, take
 from fedcore.datasource import open_data
-from fedcore.model_input import Normalization, fit_to_model
-from fedcore.training import Dataset
 from fedcore.keys import client_key
+from fedcore.model_input import Normalization, fit_to_model
 from fedcore.tiers import CapabilityProfile
+from fedcore.training import Dataset
 
 __all__ = ["Population", "VirtualClient", "WorkerJob", "make_virtual_clients", "register_all", "run_grpc_pool"]
 

@@ -28,8 +28,8 @@ from fedatoms.records import TOTALS, accumulate, mean_or_none, summarize
 from fedcore.codec import decode, encode
 from fedcore.data import INPUT_SHAPES, NUM_CLASSES, num_classes_of
 from fedcore.datasource import describe, open_data
-from fedcore.model_input import Normalization, fit_to_model
 from fedcore.keys import derive_seed
+from fedcore.model_input import Normalization, fit_to_model
 from fedcore.models import model_info
 from fedcore.spec import ModelSpec
 from fedcore.training import Dataset, evaluate

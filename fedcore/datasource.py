@@ -6,8 +6,9 @@ Three kinds, tried in this order:
   already normalized, exactly as before;
 - an ImageFolder directory (one subfolder per class, torchvision's layout). With ``train/`` (and
   ``test/`` or ``val/``) subfolders those are the splits; otherwise a seeded, per-class 20 % holdout
-  (the same on every machine) is the test split. Class folders named by integers (``0``, ``1``, …) are those labels, so devices
-  that lack a class still agree on the others; otherwise labels follow the sorted folder names, as
+  (the same on every machine) is the test split. Class folders named by integers (``0``, ``1``, …)
+  are those labels, so devices that lack a class still agree on the others; otherwise labels follow
+  the sorted folder names, as
   in torchvision, and every device must then have every class folder (an empty one is fine);
 - an import reference ``module:callable`` whose call returns ``(train, test)`` torch Datasets
   (``test`` may be ``None``). Items are ``(input, label)``: PIL images get fedatoms' default
@@ -145,7 +146,7 @@ def _holdout(data: Any) -> tuple[Dataset, Dataset]:
     test: list[np.ndarray] = []
     for cl in np.unique(y):
         idx = rng.permutation(np.flatnonzero(y == cl))
-        test.append(idx[: int(round(HOLDOUT_FRACTION * len(idx)))])
+        test.append(idx[: round(HOLDOUT_FRACTION * len(idx))])
     held = np.sort(np.concatenate(test)) if test else np.zeros(0, dtype=np.int64)
     kept = np.setdiff1d(np.arange(len(y)), held)
     return Subset(data, kept.tolist()), Subset(data, held.tolist())

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from image_folders import digits_images  # noqa: E402
+from image_folders import digits_images
 
 
 class Pictures(torch.utils.data.Dataset):

@@ -23,16 +23,15 @@ def data_bytes() -> int:
 
 def main() -> int:
     headroom = int(sys.argv[1]) * 2**20
-    import grpc  # noqa: F401  # everything the client imports, before the limit is measured
-    import torch  # noqa: F401
-    import torchvision  # noqa: F401
-
-    import client_agent.agent  # noqa: F401
-    import fedatoms.cli  # noqa: F401
-
     import logging
 
+    import grpc  # everything the client imports, before the limit is measured
+    import torch
+    import torchvision  # noqa: F401
     from big_data import Generated
+
+    import client_agent.agent  # noqa: F401
+    import fedatoms.cli
     from fedcore.spec import ModelSpec
     from fedcore.training import TrainConfig, local_update
 

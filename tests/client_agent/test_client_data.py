@@ -81,13 +81,44 @@ def test_three_devices_with_their_own_pictures_train_and_the_server_evaluates_it
     try:
         with Session(engine) as s:
             samples = sorted(c.profile["num_samples"] for c in s.scalars(select(store.Client)))
-            accuracy = [m.test_accuracy for m in s.scalars(select(store.RoundMetrics).order_by(store.RoundMetrics.round))]
+            accuracy = [
+                m.test_accuracy for m in s.scalars(select(store.RoundMetrics).order_by(store.RoundMetrics.round))
+            ]
     finally:
         engine.dispose()
     # num_samples is each device's training set: the folders less their holdout, the reference's 320
     assert samples == sorted([_kept(labels[0:400]), _kept(labels[400:800]), 320])
     assert len(accuracy) == 2 and all(a is not None for a in accuracy)
     assert accuracy[-1] > 0.3  # ten classes: chance is 0.1
+
+
+def test_the_federations_normalization_reaches_the_client(tmp_path: Path) -> None:
+    pictures = write_folder(tmp_path / "rgb", channels=3, size=10, count=200)
+    config = _config(tmp_path / "fed.toml", Path("digits"), model="digits-cnn", rounds=1, min_clients=1)
+    with config.open("a") as f:
+        f.write("normalization = { mean = [0.5], std = [0.25] }\n")
+    url = f"sqlite:///{tmp_path / 'agg.db'}"
+    server = Aggregator(config, free_port(), url, tmp_path / "server.log").start()
+    log = tmp_path / "c.log"
+    proc = _client(server.target, tmp_path / "s", str(pictures), log)
+    try:
+        code = proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.stop()
+    text = log.read_text()
+    assert code == 0, text[-2000:]
+    assert "event=data_fitted input=1x8x8 normalization=federation mean=0.5000 std=0.2500" in text
+
+
+def test_a_normalization_for_other_channels_than_the_model_takes_is_refused() -> None:
+    from aggregator_service.config import FederationConfig
+
+    with pytest.raises(ValueError, match="normalization has 3 channels but model 'digits-cnn' takes 1"):
+        FederationConfig(model="digits-cnn", normalization={"mean": [0.5] * 3, "std": [0.2] * 3})
+    with pytest.raises(ValueError, match="std must be > 0"):
+        FederationConfig(model="digits-cnn", normalization={"mean": [0.5], "std": [0.0]})
 
 
 def _registered(url: str) -> int:

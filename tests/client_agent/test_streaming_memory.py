@@ -1,7 +1,7 @@
 """A device with more data than memory trains: the agent streams its data, never copies it whole.
 
 The client process runs under RLIMIT_DATA set to what it uses once warmed up plus ``HEADROOM_MB``
-(tests/client_agent/limited.py). Its data (a reference to a generated dataset) hold 1.5 × that
+(tests/client_agent/limited.py). Its data (a reference to a generated dataset) hold 1.25 × that
 headroom of float32 inputs: copying them into one tensor under the same limit fails, while a real
 round over gRPC, trained and evaluated on them, succeeds.
 """
@@ -18,14 +18,14 @@ from processes import ENV, ROOT, SECRET, Aggregator, wait_closed
 from support import free_port
 
 HERE = Path(__file__).resolve().parent
-HEADROOM_MB = 200
-SAMPLES = 26000  # × 3·32·32 float32 = 305 MiB, over 1.5 × the headroom
+HEADROOM_MB = 256  # fixed costs while running (an evaluation batch's convolution alone takes 47 MiB) fit
+SAMPLES = 28000  # × 3·32·32 float32 = 328 MiB, over 1.25 × the headroom
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA counts anonymous memory on Linux only")
 def test_data_larger_than_the_memory_limit_trains(tmp_path: Path) -> None:
-    assert SAMPLES * 3 * 32 * 32 * 4 > 1.5 * HEADROOM_MB * 2**20
+    assert SAMPLES * 3 * 32 * 32 * 4 > 1.25 * HEADROOM_MB * 2**20
     config = tmp_path / "fed.toml"
     config.write_text(
         f'enrollment_secret = "{SECRET}"\npoll_interval_seconds = 0.1\ndeadline_seconds = 900\n\n[federation]\n'

@@ -78,7 +78,7 @@ def test_channel_stats_match_numpy_over_pil_resized_images(rgb_folder: Path) -> 
 def test_fitted_images_have_the_model_input_and_the_given_normalization(rgb_folder: Path) -> None:
     train, test = open_data(str(rgb_folder))
     norm = Normalization((0.25,), (0.5,))
-    ftrain, ftest, used = fit_to_model(train, test, (1, 8, 8), norm)
+    _, ftest, used = fit_to_model(train, test, (1, 8, 8), norm)
     assert used == norm
     x, y = ftest[3]
     img, label = test[3]
