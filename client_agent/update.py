@@ -13,9 +13,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from client_agent.state import ClientState
-from fedcore.data import ArrayDataset
 from fedcore.spec import ModelSpec
-from fedcore.training import TrainConfig, evaluate, local_update, personalized_model
+from fedcore.training import Dataset, TrainConfig, evaluate, local_update, personalized_model
 
 __all__ = ["ClientEvaluation", "ClientPush", "TrainTask", "evaluate_client", "run_task"]
 
@@ -53,7 +52,7 @@ def run_task(
     state: ClientState,
     spec: ModelSpec,
     task: TrainTask,
-    train_data: ArrayDataset,
+    train_data: Dataset,
     personal_atoms: bool = False,
     progress: bool = False,
 ) -> ClientPush:
@@ -99,7 +98,7 @@ def run_task(
     )
 
 
-def evaluate_client(state: ClientState, spec: ModelSpec, test_data: ArrayDataset) -> ClientEvaluation:
+def evaluate_client(state: ClientState, spec: ModelSpec, test_data: Dataset) -> ClientEvaluation:
     """The current global model and, with personal atoms, the personalized model on local test data."""
     model = spec.build()
     model.load_state_dict({**state.global_tensors, **state.local})

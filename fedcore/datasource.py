@@ -127,8 +127,9 @@ def _image_folder(path: Path, class_to_idx: dict[str, int] | None = None) -> Any
         raise DataSourceError(f"{path}: {exc}") from None
     # torchvision numbers the folders it found in sorted order; relabel by the map above (a plain
     # ImageFolder still, so it pickles into DataLoader workers)
-    relabel = {folder.class_to_idx[c]: class_to_idx[c] for c in folder.classes}
-    folder.samples = [(f, relabel[t]) for f, t in folder.samples]
+    # (hidden folders such as .ipynb_checkpoints hold no class: their files are left out)
+    relabel = {folder.class_to_idx[c]: class_to_idx[c] for c in folder.classes if c in class_to_idx}
+    folder.samples = [(f, relabel[t]) for f, t in folder.samples if t in relabel]
     folder.imgs = folder.samples
     folder.targets = [t for _, t in folder.samples]
     folder.class_to_idx = dict(class_to_idx)

@@ -50,6 +50,14 @@ def test_numbered_class_folders_are_their_labels_even_when_a_class_is_missing(tm
     assert isinstance(img, Image.Image) and label in set(kept.tolist())
 
 
+def test_hidden_folders_are_no_class(tmp_path: Path) -> None:
+    root = write_folder(tmp_path / "d", channels=1, size=8, count=50)
+    (root / ".ipynb_checkpoints").mkdir()
+    Image.new("L", (8, 8)).save(root / ".ipynb_checkpoints" / "x.png")
+    train, test = open_data(str(root))
+    assert len(train) + len(test) == 50
+
+
 def test_named_classes_follow_sorted_names_and_train_test_layout(tmp_path: Path) -> None:
     write_folder(tmp_path / "d" / "train", channels=1, size=8, count=100, classes="named")
     write_folder(tmp_path / "d" / "val", channels=1, size=8, count=40, start=100, classes="named")
