@@ -22,6 +22,8 @@ from aggregator_service.rounds import CohortSampler, Federation
 from aggregator_service.strategies import Setting, accepts, build_strategy, strategy_class
 from aggregator_service.toml_settings import TomlSettings
 from aggregator_service.update_bounds import UpdateBounds
+from fedcore.datasource import describe
+from fedcore.model_input import Normalization
 from fedcore.spec import ModelSpec
 from fedcore.tiers import TIERS
 from fedcore.training import TrainConfig
@@ -79,6 +81,8 @@ class FederationConfig:
     ditto_lambda: float = FEDERATION_TRAINING.ditto_lambda
     fp16: bool = False
     seed: int = 0
+    #: ``{mean = [..], std = [..]}`` per input channel for clients' images; unset: each client's own statistics.
+    normalization: dict[str, list[float]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tiers, str):
@@ -114,6 +118,14 @@ class FederationConfig:
             )
         self.spec  # noqa: B018  # validates model, classes, factorization and atoms now, not mid-run
         build_strategy(self.strategy, **self.strategy_params(num_clients_total=1))  # bad arguments fail now
+        if self.normalization is not None:
+            norm = Normalization.from_dict(self.normalization)
+            channels = self.spec.input_shape[0]
+            if len(norm.mean) != channels:
+                raise ValueError(
+                    f"normalization has {len(norm.mean)} channels but model {self.model!r} takes {channels}"
+                )
+            self.normalization = norm.to_dict()
         self._check_personalization()
 
     def _check_personalization(self) -> None:
@@ -268,14 +280,23 @@ class AggregatorSettings(TomlSettings):
     max_update_norm: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     #: What an update over max_update_norm gets: "reject" (INVALID_ARGUMENT at push) or "clip" (scaled to the bound).
     update_norm_mode: Literal["reject", "clip"] = "reject"
-    #: Server-side test set evaluated after every round (e.g. "digits"); unset: no server evaluation.
-    eval_dataset: str | None = None
     #: How `aggregator serve` writes its log: "logfmt" (key=value lines) or "json" (one JSON object a line).
     log_format: Literal["logfmt", "json"] = "logfmt"
+    #: Server-side test set evaluated after every round, named as a client's ``--data``: a bundled dataset
+    #: ("digits"), an ImageFolder directory or an import reference; the test split of it is evaluated.
+    #: Unset: no server evaluation.
+    eval_data: str | None = None
     eval_data_dir: str | None = None
     federation: FederationConfig = Field(default_factory=FederationConfig)
     #: The ``[dashboard]`` table of a shared TOML file: `fedatoms dashboard serve` reads it, the aggregator does not.
     dashboard: dict[str, Any] | None = None
+
+    @field_validator("eval_data")
+    @classmethod
+    def _check_eval_data(cls, value: str | None) -> str | None:
+        if value is not None:
+            describe(value, "eval_data")  # a typo fails at start, not after the first round
+        return value
 
     @field_validator("listen")
     @classmethod

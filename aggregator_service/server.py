@@ -155,6 +155,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             model_spec_json=reg.spec_json,
             federation=self.settings.federation_name,
             heartbeat_interval_seconds=self.settings.heartbeat_timeout_seconds / 3,
+            **_normalization_fields(self.settings.federation.normalization),
         )
 
     @_rpc
@@ -549,3 +550,10 @@ def _serve(settings: AggregatorSettings, lock: store.FederationLock) -> int:
     coordinator.flush()
     log.info(kv("stopped"))
     return code
+
+
+def _normalization_fields(normalization: dict[str, list[float]] | None) -> dict[str, list[float]]:
+    """RegisterReply's normalization: the federation's, or none (each client computes its own)."""
+    if normalization is None:
+        return {}
+    return {"normalization_mean": normalization["mean"], "normalization_std": normalization["std"]}

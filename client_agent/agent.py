@@ -32,9 +32,11 @@ from client_agent.pacing import ComputeSlot, RoundWatch
 from client_agent.state import ClientState, PendingUpdate
 from client_agent.transport import LONG_POLL_SECONDS, AggregatorClient, Unauthenticated, task_from_proto
 from client_agent.update import ClientEvaluation, evaluate_client, run_task
-from fedcore.data import ArrayDataset
+from fedcore.data import check_labels
+from fedcore.model_input import Normalization, fit_to_model, needs_fitting
 from fedcore.spec import ModelSpec
 from fedcore.tiers import CapabilityProfile
+from fedcore.training import Dataset
 from fedwire.v1 import aggregator_pb2 as pb
 
 __all__ = ["CREDENTIALS_FILE", "EXIT_CODES", "Agent", "Credentials", "TrainingDiverged"]
@@ -67,6 +69,8 @@ class Credentials:
     model_spec_json: str
     federation: str
     heartbeat_interval_seconds: float
+    #: the federation's input normalization ({mean, std}), or None: this client's own statistics
+    normalization: dict[str, list[float]] | None = None
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -93,8 +97,8 @@ class Agent:
         self,
         client: AggregatorClient,
         state_dir: str | Path,
-        train_data: ArrayDataset,
-        test_data: ArrayDataset | None = None,
+        train_data: Dataset,
+        test_data: Dataset | None = None,
         *,
         profile: CapabilityProfile | None = None,
         enrollment_secret: str = "",
@@ -141,6 +145,7 @@ class Agent:
         # GetTask is held by the server up to this long while there is nothing to do (0: plain polls)
         self.long_poll_seconds = long_poll_seconds
         self.stop = threading.Event()  # set: a held GetTask ends now (run() and the pool's driver share theirs)
+        self._fitted = False  # the data are the model's input (see :meth:`_fit_data`)
 
     # ------------------------------------------------------------------ identity
 
@@ -156,6 +161,9 @@ class Agent:
                 reply.model_spec_json,
                 reply.federation,
                 reply.heartbeat_interval_seconds,
+                {"mean": list(reply.normalization_mean), "std": list(reply.normalization_std)}
+                if reply.normalization_mean
+                else None,
             )
             creds.save(self.state_dir)
             log.info("event=registered client=%s tier=%g federation=%s", creds.client_id, creds.tier, creds.federation)
@@ -176,6 +184,27 @@ class Agent:
         self.state = state
         return creds
 
+    def _fit_data(self) -> None:
+        """Images become the model's input (resized, normalized) once the model is known: after Register,
+        before the first step (a pool registers its agents without fitting their data)."""
+        creds = self.credentials
+        assert self.spec is not None and creds is not None
+        given = None if creds.normalization is None else Normalization.from_dict(creds.normalization)
+        if needs_fitting(self.train_data):
+            log.info("event=fitting_data samples=%d input=%s", len(self.train_data), _shape(self.spec.input_shape))
+        train, test, used = fit_to_model(self.train_data, self.test_data, self.spec.input_shape, given)
+        check_labels(train, self.spec.num_classes)
+        if used is not None:
+            log.info(
+                "event=data_fitted input=%s normalization=%s mean=%s std=%s",
+                _shape(self.spec.input_shape),
+                "federation" if given is not None else "computed",
+                ",".join(f"{v:.4f}" for v in used.mean),
+                ",".join(f"{v:.4f}" for v in used.std),
+            )
+        self.train_data, self.test_data = train, test
+        self._fitted = True
+
     def _save(self, optional: bool = False) -> None:
         """Write the state; an ``optional`` save (one that only spares a repeat) waits when not durable."""
         assert self.state is not None
@@ -193,6 +222,8 @@ class Agent:
         """Do the next piece of work; the seconds to wait before the next step, or ``None`` when done."""
         if self.state is None:
             self.ensure_registered()
+        if not self._fitted:
+            self._fit_data()
         s = self.state
         assert s is not None
         if s.pending is not None:
@@ -440,3 +471,7 @@ class Agent:
                 self.client.heartbeat(retry=False)
             except Exception as exc:  # the main loop reports what matters; a missed beat is not fatal
                 log.debug("event=heartbeat_failed error=%s", type(exc).__name__)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(str(v) for v in shape)

@@ -31,10 +31,13 @@ from torch import Tensor
 from client_agent.state import ClientState
 from client_agent.update import ClientEvaluation, ClientPush, TrainTask, evaluate_client, run_task
 from fedcore.codec import decode, encode
-from fedcore.data import ArrayDataset, load_dataset, local_test_splits, partition
+from fedcore.data import labels_of, local_test_splits, partition, take
+from fedcore.datasource import open_data
 from fedcore.keys import client_key
+from fedcore.model_input import Normalization, fit_to_model
 from fedcore.spec import ModelSpec
 from fedcore.tiers import CapabilityProfile
+from fedcore.training import Dataset
 
 __all__ = [
     "InProcessPush",
@@ -59,8 +62,8 @@ log = logging.getLogger("fedatoms.pool")
 @dataclass
 class VirtualClient:
     state: ClientState
-    train: ArrayDataset
-    test: ArrayDataset
+    train: Dataset
+    test: Dataset | None
 
     @property
     def client_id(self) -> str:
@@ -68,8 +71,8 @@ class VirtualClient:
 
 
 def make_virtual_clients(
-    train: ArrayDataset,
-    test: ArrayDataset,
+    train: Dataset,
+    test: Dataset | None,
     num_clients: int,
     tiers: Sequence[float],
     *,
@@ -79,20 +82,21 @@ def make_virtual_clients(
     seed: int,
 ) -> list[VirtualClient]:
     """Partition the data and give client ``i`` the tier ``tiers[i % len(tiers)]`` (round-robin)."""
+    labels = labels_of(train)
     parts = partition(
-        train.labels_numpy(),
+        labels,
         num_clients,
         scheme,
         classes_per_client=classes_per_client,
         alpha=dirichlet_alpha,
         seed=seed,
     )
-    tests = local_test_splits(train.labels_numpy(), test.labels_numpy(), parts, seed=seed)
+    tests = local_test_splits(labels, labels_of(test), parts, seed=seed) if test is not None else [None] * len(parts)
     return [
         VirtualClient(
             ClientState(client_id=client_key(i), tier=float(tiers[i % len(tiers)])),
-            train.subset(np.asarray(idx)),
-            test.subset(np.asarray(tidx)),
+            take(train, np.asarray(idx)),
+            None if test is None or tidx is None else take(test, np.asarray(tidx)),
         )
         for i, (idx, tidx) in enumerate(zip(parts, tests, strict=True))
     ]
@@ -100,7 +104,8 @@ def make_virtual_clients(
 
 @dataclass(frozen=True)
 class Population:
-    """How to rebuild the virtual clients anywhere: the dataset and the partition, all picklable."""
+    """How to rebuild the virtual clients anywhere: the data (``--data``), the partition, and for images the
+    model's input shape and the federation's normalization (unset: each client's own), all picklable."""
 
     dataset: str
     data_dir: str | None
@@ -110,11 +115,24 @@ class Population:
     classes_per_client: int
     dirichlet_alpha: float
     seed: int
+    input_shape: tuple[int, ...] | None = None  # None: the data stay as loaded (an agent fits them after Register)
+    normalization: dict[str, list[float]] | None = None
 
-    def build(self) -> list[VirtualClient]:
-        return self.clients(*load_dataset(self.dataset, self.data_dir))
+    def build(self, fit: Sequence[int] | None = None) -> list[VirtualClient]:
+        """Every virtual client; the data of those in ``fit`` (default all) made the model's input."""
+        return self.fitted(self.clients(*open_data(self.dataset, self.data_dir)), fit)
 
-    def clients(self, train: ArrayDataset, test: ArrayDataset) -> list[VirtualClient]:
+    def fitted(self, clients: list[VirtualClient], only: Sequence[int] | None = None) -> list[VirtualClient]:
+        """Images of ``clients`` (those at ``only``, default all) made the model's input, each normalized by
+        the federation's normalization or its own data's; tensors stay as they are."""
+        if self.input_shape is not None:
+            given = None if self.normalization is None else Normalization.from_dict(self.normalization)
+            for i in range(len(clients)) if only is None else only:
+                vc = clients[i]
+                vc.train, vc.test, _ = fit_to_model(vc.train, vc.test, self.input_shape, given)
+        return clients
+
+    def clients(self, train: Dataset, test: Dataset | None) -> list[VirtualClient]:
         return make_virtual_clients(
             train,
             test,
@@ -259,7 +277,7 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
 
     reuse_message_buffers()
     torch.set_num_threads(job.torch_threads)
-    clients = job.population.build()
+    clients = job.population.build(fit=job.indices)
     compute = ComputeSlot()  # one training (or evaluation) at a time per process; network waits overlap
     channel = AggregatorClient(job.target, tls_ca=Path(job.tls_ca) if job.tls_ca else None)
     agents: dict[int, Agent] = {}

@@ -13,9 +13,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from client_agent.state import ClientState
-from fedcore.data import ArrayDataset
 from fedcore.spec import ModelSpec
-from fedcore.training import TrainConfig, evaluate, local_update, personalized_model
+from fedcore.training import Dataset, TrainConfig, evaluate, local_update, personalized_model
 from fedcore.training.finetune import fine_tune
 from fedcore.training.personalization import SPLITS, personal_tensors
 from fedcore.training.terms import LocalTerms
@@ -56,7 +55,7 @@ def run_task(
     state: ClientState,
     spec: ModelSpec,
     task: TrainTask,
-    train_data: ArrayDataset,
+    train_data: Dataset,
     personal_atoms: bool = False,
     progress: bool = False,
 ) -> ClientPush:
@@ -132,7 +131,7 @@ def run_task(
 
 
 def evaluate_client(
-    state: ClientState, spec: ModelSpec, test_data: ArrayDataset, train_data: ArrayDataset | None = None
+    state: ClientState, spec: ModelSpec, test_data: Dataset, train_data: Dataset | None = None
 ) -> ClientEvaluation:
     """The current global model and the client's personalized one on local test data.
 

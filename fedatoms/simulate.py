@@ -27,9 +27,11 @@ from client_agent.update import ClientEvaluation
 from fedatoms.engines import ENGINES
 from fedatoms.engines.local import LocalClients, account
 from fedatoms.records import TOTALS, accumulate, mean_or_none, summarize
-from fedcore.data import INPUT_SHAPES, NUM_CLASSES, ArrayDataset, load_dataset
+from fedcore.data import INPUT_SHAPES, NUM_CLASSES, num_classes_of
+from fedcore.datasource import describe, open_data
+from fedcore.model_input import Normalization, fit_to_model
 from fedcore.models import model_info
-from fedcore.training import evaluate
+from fedcore.training import Dataset, evaluate
 
 __all__ = ["DEFAULT_MODELS", "SimulationConfig", "run_simulation"]
 
@@ -48,6 +50,9 @@ class SimulationConfig(FederationConfig):
 
     model: str | None = None  # type: ignore[assignment]  # default: DEFAULT_MODELS[dataset]
     dataset: str = "digits"
+    # an ImageFolder directory or an import reference module:function (a bundled name sets dataset instead);
+    # the data's classes set num_classes, and images are fitted to the model's input
+    data: str | None = None
     data_dir: str | None = None
     download: bool = False
     clients: int = 20
@@ -69,17 +74,24 @@ class SimulationConfig(FederationConfig):
     actor_failure: str = "retry"  # a dead actor's clients: "retry" their round on its replacement, or "dropout"
 
     def __post_init__(self) -> None:
-        if self.model is None:
-            if self.dataset not in DEFAULT_MODELS:
-                raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DEFAULT_MODELS)}")
-            self.model = DEFAULT_MODELS[self.dataset]
-        self.num_classes = NUM_CLASSES.get(self.dataset, self.num_classes)
-        expected = INPUT_SHAPES.get(self.dataset)
-        if expected is not None and model_info(self.model).input_shape != expected:
-            raise ValueError(
-                f"model {self.model!r} takes inputs {model_info(self.model).input_shape}, "
-                f"but {self.dataset} images are {expected}"
-            )
+        if self.data is not None and describe(self.data) == "bundled":
+            self.dataset, self.data = self.data.lower(), None
+        if self.data is not None:
+            if self.model is None:
+                raise ValueError(f"--data {self.data} needs --model: the model that takes these images")
+            self.num_classes = num_classes_of(open_data(self.data)[0])
+        else:
+            if self.model is None:
+                if self.dataset not in DEFAULT_MODELS:
+                    raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DEFAULT_MODELS)}")
+                self.model = DEFAULT_MODELS[self.dataset]
+            self.num_classes = NUM_CLASSES.get(self.dataset, self.num_classes)
+            expected = INPUT_SHAPES.get(self.dataset)
+            if expected is not None and model_info(self.model).input_shape != expected:
+                raise ValueError(
+                    f"model {self.model!r} takes inputs {model_info(self.model).input_shape}, "
+                    f"but {self.dataset} images are {expected}"
+                )
         if self.clients < 1:
             raise ValueError("clients must be ≥ 1")
         if self.engine not in ENGINES:
@@ -114,7 +126,7 @@ class SimulationConfig(FederationConfig):
     def population(self) -> Population:
         """The virtual clients, as a recipe any process can rebuild (both transports build them from it)."""
         return Population(
-            self.dataset,
+            self.data or self.dataset,
             self.data_dir,
             self.clients,
             tuple(self.tiers),
@@ -122,6 +134,8 @@ class SimulationConfig(FederationConfig):
             self.classes_per_client,
             self.dirichlet_alpha,
             self.seed,
+            input_shape=None if self.data is None else self.spec.input_shape,
+            normalization=self.normalization,
         )
 
 
@@ -168,9 +182,14 @@ def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: di
     if grpc_options:
         raise ValueError(f"{', '.join(sorted(grpc_options))} only apply to --transport grpc")
     started = time.perf_counter()
-    train, test = load_dataset(config.dataset, config.data_dir, download=config.download)
+    train, test = open_data(config.data or config.dataset, config.data_dir, download=config.download)
+    if test is None or len(test) == 0:
+        raise ValueError(f"--data {config.data}: a simulation evaluates on a test split, and this data has none")
     federation = build_federation(config)
     pool = _client_engine(config, train, test)
+    if config.population().input_shape is not None:  # the server's test split, normalized as eval_data is
+        given = None if config.normalization is None else Normalization.from_dict(config.normalization)
+        test, _, _ = fit_to_model(test, None, config.population().input_shape, given)
     train_config = config.train_config(device=config.device)
     fedavg_bytes = fedavg_transfer_bytes(config.spec)  # each transfer's FedAvg-equivalent
     records: list[dict[str, Any]] = []
@@ -220,13 +239,14 @@ def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: di
     return {"config": config.to_dict(), "rounds": records, "summary": summary}
 
 
-def _client_engine(config: SimulationConfig, train: ArrayDataset, test: ArrayDataset) -> Any:
+def _client_engine(config: SimulationConfig, train: Dataset, test: Dataset) -> Any:
     """Where the virtual clients train: this process (``local``), or Ray actors (``ray``)."""
     if config.engine == "ray":
         from fedatoms.engines.ray_engine import RayClients
 
         return RayClients(config)
-    clients = config.population().clients(train, test)
+    population = config.population()
+    clients = population.fitted(population.clients(train, test))
     return LocalClients(clients, config.seed, config.fp16, config.personal_atoms)
 
 
@@ -234,7 +254,7 @@ def _round_record(
     config: SimulationConfig,
     federation: Federation,
     outcome: RoundOutcome,
-    test: ArrayDataset,
+    test: Dataset,
     evaluations: list[ClientEvaluation],
     ledger: BandwidthLedger,
 ) -> dict[str, Any]:

@@ -72,7 +72,7 @@ def run_grpc_simulation(
             deadline_seconds=3600.0,  # a simulated client is never late: its worker may just be busy
             heartbeat_timeout_seconds=3600.0,
             poll_interval_seconds=0.05,
-            eval_dataset=config.dataset,
+            eval_data=config.data or config.dataset,
             eval_data_dir=config.data_dir,
             federation=federation_config(config),
         )
@@ -103,7 +103,7 @@ def run_grpc_simulation(
 
     try:
         keep_state = state_dir is not None  # a temporary root is never resumed from: spare the writes
-        ids = register_all(target, pop, pop.build(), enrollment_secret, root, tls_ca, keep_state)
+        ids = register_all(target, pop, pop.build(fit=()), enrollment_secret, root, tls_ca, keep_state)
         if config.engine == "ray":
             from client_agent.ray_pool import run_ray_grpc_pool
 

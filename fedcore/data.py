@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Subset
 
 __all__ = [
     "DATASETS",
@@ -28,9 +29,14 @@ __all__ = [
     "SCHEMES",
     "ArrayDataset",
     "DatasetNotFoundError",
+    "check_labels",
+    "known_labels",
+    "labels_of",
     "load_dataset",
     "local_test_splits",
+    "num_classes_of",
     "partition",
+    "take",
 ]
 
 DATASETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
@@ -160,6 +166,65 @@ def _to_array_dataset(ds: Any, key: str, mean: tuple[float, ...], std: tuple[flo
     x.sub_(torch.tensor(mean).view(1, -1, 1, 1)).div_(torch.tensor(std).view(1, -1, 1, 1))
     y = torch.as_tensor(np.asarray(ds.targets), dtype=torch.int64)
     return ArrayDataset(x.contiguous(), y, NUM_CLASSES[key], key)
+
+
+# --------------------------------------------------------------------------- any dataset, as partitions see it
+
+
+def known_labels(data: Any) -> np.ndarray | None:
+    """Every label as int64 when the dataset knows its targets (no image decoded); else ``None``."""
+    if isinstance(data, ArrayDataset):
+        return data.labels_numpy()
+    if isinstance(data, Subset):
+        base = known_labels(data.dataset)
+        return None if base is None else base[np.asarray(data.indices, dtype=np.int64)]
+    targets = getattr(data, "targets", None)
+    if targets is not None and len(targets) == len(data):
+        return np.asarray(targets.cpu() if isinstance(targets, torch.Tensor) else targets, dtype=np.int64)
+    return None
+
+
+def labels_of(data: Any) -> np.ndarray:
+    """Every label as int64: the dataset's targets, or (once) read item by item."""
+    known = known_labels(data)
+    if known is not None:
+        return known
+    return np.asarray([int(data[i][1]) for i in range(len(data))], dtype=np.int64)
+
+
+def check_labels(data: Any, num_classes: int) -> None:
+    """Labels the model cannot predict fail here, in words, instead of mid-training in cross-entropy."""
+    y = known_labels(data)
+    if y is None or not len(y):
+        return
+    low, high = int(y.min()), int(y.max())
+    if low < 0 or high >= num_classes:
+        raise ValueError(
+            f"the data has labels {low}..{high} but the model has {num_classes} classes: an ImageFolder needs the "
+            f"same class folders on every device (empty ones allowed), or folders named 0..{num_classes - 1}"
+        )
+
+
+def num_classes_of(data: Any) -> int:
+    """The number of classes the data names (an ImageFolder's folders), else the largest label + 1."""
+    while isinstance(data, Subset):
+        data = data.dataset
+    if isinstance(data, ArrayDataset):
+        return data.num_classes
+    classes = getattr(data, "class_to_idx", None)
+    if classes:
+        return max(classes.values()) + 1
+    classes = getattr(data, "classes", None)
+    if classes:
+        return len(classes)
+    return int(labels_of(data).max()) + 1
+
+
+def take(data: Any, indices: np.ndarray | Sequence[int]) -> Any:
+    """The samples at ``indices``: an in-memory subset of an ArrayDataset, a lazy Subset of anything else."""
+    if isinstance(data, ArrayDataset):
+        return data.subset(indices)
+    return Subset(data, np.asarray(indices, dtype=np.int64).tolist())
 
 
 # --------------------------------------------------------------------------- partitions

@@ -58,10 +58,17 @@ class Closing:
         self._last_failure: tuple[int, str] | None = None
         self._action = "retry"
         settings = shared.settings
-        if settings.eval_dataset:
-            from fedcore.data import load_dataset
+        if settings.eval_data:
+            from fedcore.datasource import evaluation_set
+            from fedcore.model_input import Normalization
 
-            self._eval_data = load_dataset(settings.eval_dataset, settings.eval_data_dir)[1]
+            norm = settings.federation.normalization
+            self._eval_data = evaluation_set(
+                settings.eval_data,
+                settings.federation.spec.input_shape,
+                None if norm is None else Normalization.from_dict(norm),
+                settings.eval_data_dir,
+            )
 
     def close(self, op: OpenRound, reason: str) -> None:
         """Close ``op``, which the caller marked ``closing``.

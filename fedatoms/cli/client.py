@@ -17,33 +17,20 @@ def cmd_client_run(args: argparse.Namespace) -> int:
 
     from aggregator_service.logfmt import configure_logging
     from client_agent.agent import EXIT_CODES, Agent
-    from client_agent.pool import Population
     from client_agent.profile import declared_profile, measured_profile
     from client_agent.transport import AggregatorClient, Backoff
     from fedwire.allocator import reuse_message_buffers
 
     _check_server(args.server)
-    if not 0 <= args.partition_index < args.num_partitions:
-        raise ValueError(f"--partition-index must be in [0, {args.num_partitions}), got {args.partition_index}")
-    pop = Population(
-        args.dataset,
-        args.data_dir,
-        args.num_partitions,
-        (1.0,),
-        args.partition,
-        args.classes_per_client,
-        args.dirichlet_alpha,
-        args.seed,
-    )
-    vc = pop.build()[args.partition_index]
+    train, test = _local_data(args)
     if args.profile is not None:
-        profile = declared_profile(args.profile, len(vc.train))
+        profile = declared_profile(args.profile, len(train))
     elif args.measure:
-        profile = measured_profile(len(vc.train), budget_ms=args.budget_ms)
+        profile = measured_profile(len(train), budget_ms=args.budget_ms)
     else:
         from fedcore.tiers import CapabilityProfile
 
-        profile = CapabilityProfile(num_samples=len(vc.train))
+        profile = CapabilityProfile(num_samples=len(train))
     _check_writable(Path(args.state_dir))  # the last check: it creates the directory
     configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     reuse_message_buffers()
@@ -57,8 +44,8 @@ def cmd_client_run(args: argparse.Namespace) -> int:
     agent = Agent(
         client,
         args.state_dir,
-        vc.train,
-        vc.test,
+        train,
+        test,
         profile=profile,
         enrollment_secret=args.enrollment_secret or "",
         name=args.name,
@@ -75,6 +62,32 @@ def cmd_client_run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return code
+
+
+def _local_data(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(train, test)`` of ``--data``, or of its ``--partition-index`` shard; read lazily, fitted after Register."""
+    from client_agent.pool import Population
+    from fedcore.datasource import describe, open_data
+
+    kind = describe(args.data)
+    if args.partition_index is None:
+        if kind == "bundled":
+            raise ValueError(f"--data {args.data} is a benchmark dataset: give --partition-index (this device's shard)")
+        return open_data(args.data, args.data_dir)
+    if not 0 <= args.partition_index < args.num_partitions:
+        raise ValueError(f"--partition-index must be in [0, {args.num_partitions}), got {args.partition_index}")
+    pop = Population(
+        args.data,
+        args.data_dir,
+        args.num_partitions,
+        (1.0,),
+        args.partition,
+        args.classes_per_client,
+        args.dirichlet_alpha,
+        args.seed,
+    )
+    vc = pop.build()[args.partition_index]
+    return vc.train, vc.test
 
 
 def _check_server(server: str) -> None:
@@ -117,9 +130,21 @@ def add_parser(sub: Any) -> None:
         default=os.environ.get("FEDATOMS_ENROLLMENT_SECRET"),
         help="the federation's enrollment secret (first run only) [FEDATOMS_ENROLLMENT_SECRET]",
     )
-    run.add_argument("--dataset", default="digits", help="digits (bundled), mnist, fashion-mnist, cifar10, cifar100")
+    run.add_argument(
+        "--data",
+        "--dataset",
+        dest="data",
+        default="digits",
+        help="this device's data: an ImageFolder directory (one subfolder per class; train/ and test/ inside, or "
+        "a 20%% holdout is the test split), an import reference module:function returning (train, test) torch "
+        "Datasets, or a benchmark: digits (bundled), mnist, fashion-mnist, cifar10, cifar100 [digits]",
+    )
     run.add_argument("--data-dir", help="where torchvision datasets live")
-    run.add_argument("--partition-index", type=int, required=True, help="which shard of the dataset is this device's")
+    run.add_argument(
+        "--partition-index",
+        type=int,
+        help="train on this shard of --data (required for a benchmark dataset) [all of a folder or reference]",
+    )
     run.add_argument("--num-partitions", type=int, default=10, help="how many shards the dataset is cut into [10]")
     run.add_argument("--partition", default="shards", choices=["iid", "shards", "dirichlet"])
     run.add_argument("--classes-per-client", type=int, default=2)

@@ -58,6 +58,11 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
         help="with --engine ray: a dead actor's clients retry the round on its replacement, or drop out of it",
     )
     g.add_argument("--dataset", help=f"digits (bundled), mnist, fashion-mnist, cifar10, cifar100 [{defaults.dataset}]")
+    g.add_argument(
+        "--data",
+        help="an ImageFolder directory (one subfolder per class), an import reference module:function returning "
+        "(train, test) Datasets, or a bundled dataset name; split across the clients by --partition",
+    )
     g.add_argument("--data-dir", help="where torchvision datasets live")
     g.add_argument("--download", action="store_true", default=None, help="let torchvision download missing data")
     g.add_argument("--model", help="digits-cnn, mnist-cnn, lenet-cifar10, lenet-cifar100, resnet18 [by dataset]")
@@ -157,7 +162,8 @@ def progress_printer(total: int, label: str = "round") -> Any:
 def print_summary(results: dict[str, Any]) -> None:
     s = results["summary"]
     c = results["config"]
-    print(f"\n{c['model']} / {c['factorization']} / {c['interval_policy']} on {c['dataset']}: {s['rounds']} rounds")
+    data = c.get("data") or c["dataset"]
+    print(f"\n{c['model']} / {c['factorization']} / {c['interval_policy']} on {data}: {s['rounds']} rounds")
     print(
         f"  global test accuracy   {s['mean_test_accuracy_last5']:.4f} mean of the last {min(5, s['rounds'])} rounds "
         f"(final {s['final_test_accuracy']:.4f}, best {s['best_test_accuracy']:.4f})"

@@ -1,9 +1,10 @@
 """The minibatch SGD loop both phases of a client's round run, and what it stands on.
 
-The device a config names, the client data moved there, seeded shuffling over it, and the
-seeding of torch's global RNG for dropout: the same inputs and seed give bit-identical
-tensors (on CPU; on CUDA as far as the kernels are deterministic), and the caller's global
-RNG is left as it was.
+The device a config names, the client data moved there (tensors in memory) or streamed to it
+(any map-style Dataset, through a DataLoader: a device with more images than memory trains),
+seeded shuffling over it, and the seeding of torch's global RNG for dropout: the same inputs
+and seed give bit-identical tensors (on CPU; on CUDA as far as the kernels are deterministic),
+and the caller's global RNG is left as it was.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from torch.utils.data import Dataset as TorchDataset
 
 from fedcore.training.atom_steps import AtomSteps
 from fedcore.training.config import TrainConfig
@@ -27,7 +30,9 @@ _WHOLE_DATA_BYTES = 256 * 2**20
 
 
 class Dataset(Protocol):
-    """What training needs from a dataset: inputs ``x`` (N×C×H×W float) and labels ``y`` (N, int64)."""
+    """What training needs from a dataset: inputs ``x`` (N×C×H×W float) and labels ``y`` (N, int64) in
+    memory, or (read by :class:`Batches` through a DataLoader) any map-style torch Dataset of
+    ``(input, label)`` items."""
 
     @property
     def x(self) -> Tensor: ...
@@ -67,23 +72,33 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
 
 
 class Batches:
-    """Client data on the device (once, when small) and seeded shuffled minibatches over it."""
+    """Seeded shuffled minibatches of client data: tensors moved to the device once (when small), or any
+    other dataset streamed through a DataLoader in the same seeded order (never all in memory)."""
 
-    def __init__(self, data: Dataset, device: torch.device) -> None:
-        x, y = data.x, data.y
+    def __init__(self, data: Dataset | TorchDataset, device: torch.device) -> None:
+        self.device = device
+        self.n = len(data)
+        if self.n == 0:
+            raise ValueError("dataset is empty")
+        x, y = getattr(data, "x", None), getattr(data, "y", None)
+        self.stream: TorchDataset | None = None
+        if not (isinstance(x, Tensor) and isinstance(y, Tensor)):
+            self.stream = data  # type: ignore[assignment]
+            return
         if len(x) != len(y):
             raise ValueError(f"dataset has {len(x)} inputs but {len(y)} labels")
-        if len(x) == 0:
-            raise ValueError("dataset is empty")
         y = y.long()
         whole = x.element_size() * x.nelement() <= _WHOLE_DATA_BYTES
         self.x = x.to(device) if whole else x
         self.y = y.to(device) if whole else y
-        self.device = device
-        self.n = len(x)
 
     def epoch(self, batch_size: int, generator: torch.Generator | None) -> Iterator[tuple[Tensor, Tensor]]:
         order = torch.randperm(self.n, generator=generator) if generator is not None else torch.arange(self.n)
+        if self.stream is not None:
+            chunks = [order[s : s + batch_size].tolist() for s in range(0, self.n, batch_size)]
+            for xb, yb in DataLoader(self.stream, batch_sampler=chunks):
+                yield xb.to(self.device), torch.as_tensor(yb).long().to(self.device)
+            return
         order = order.to(self.x.device)
         for start in range(0, self.n, batch_size):
             idx = order[start : start + batch_size]

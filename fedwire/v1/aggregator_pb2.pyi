@@ -56,20 +56,24 @@ class RegisterRequest(_message.Message):
     def __init__(self, profile: _Optional[_Union[CapabilityProfile, _Mapping]] = ..., enrollment_secret: _Optional[str] = ..., client_name: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("client_id", "token", "tier", "model_spec_json", "federation", "heartbeat_interval_seconds")
+    __slots__ = ("client_id", "token", "tier", "model_spec_json", "federation", "heartbeat_interval_seconds", "normalization_mean", "normalization_std")
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     MODEL_SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
     FEDERATION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZATION_MEAN_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZATION_STD_FIELD_NUMBER: _ClassVar[int]
     client_id: str
     token: str
     tier: float
     model_spec_json: str
     federation: str
     heartbeat_interval_seconds: float
-    def __init__(self, client_id: _Optional[str] = ..., token: _Optional[str] = ..., tier: _Optional[float] = ..., model_spec_json: _Optional[str] = ..., federation: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+    normalization_mean: _containers.RepeatedScalarFieldContainer[float]
+    normalization_std: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, client_id: _Optional[str] = ..., token: _Optional[str] = ..., tier: _Optional[float] = ..., model_spec_json: _Optional[str] = ..., federation: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., normalization_mean: _Optional[_Iterable[float]] = ..., normalization_std: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ()

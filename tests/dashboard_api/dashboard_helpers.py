@@ -103,7 +103,7 @@ def run_federation(url: str) -> Iterator[Federation]:
         listen="127.0.0.1:0",
         database_url=url,
         enrollment_secret=SECRET,
-        eval_dataset="digits",
+        eval_data="digits",
         federation=small_federation(
             rounds=ROUNDS_CLOSED + 1, personal_atoms=True, interval_policy="fedlama", tau=1, phi=2, min_clients=3
         ),

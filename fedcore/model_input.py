@@ -1,0 +1,164 @@
+"""Images as the model takes them: fedatoms' default transforms for a device's own pictures.
+
+An image (PIL) becomes the model's input ``(C, H, W)`` (:attr:`fedcore.spec.ModelSpec.input_shape`):
+converted to ``C`` channels (``L`` for 1, ``RGB`` for 3), resized to ``H × W``, turned into a
+float tensor in ``[0, 1]`` and normalized per channel. The normalization is the federation's
+when it sets one (``normalization = {mean = […], std = […]}``), else the mean and standard
+deviation of this party's own training images, computed by streaming over them once
+(:func:`channel_stats`: float64 sums, never the whole set in memory).
+
+Datasets whose items are already tensors (bundled benchmarks, a reference that applies its own
+transforms) are used as they are; only their shape is checked against the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from fedcore.data import ArrayDataset, known_labels
+
+__all__ = ["FittedImages", "Normalization", "channel_stats", "fit_to_model", "image_transform", "needs_fitting"]
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """Per-channel ``(x − mean) / std`` of the model's input."""
+
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.mean or len(self.mean) != len(self.std):
+            raise ValueError(f"normalization needs mean and std of equal, non-zero length, got {self.mean} {self.std}")
+        if not all(s > 0 for s in self.std):
+            raise ValueError(f"normalization std must be > 0 per channel, got {list(self.std)}")
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Sequence[float]]) -> Normalization:
+        unknown = set(value) - {"mean", "std"}
+        if unknown or not {"mean", "std"} <= set(value):
+            raise ValueError(f"normalization takes exactly the keys mean and std, got {sorted(value)}")
+        return cls(tuple(float(v) for v in value["mean"]), tuple(float(v) for v in value["std"]))
+
+    def to_dict(self) -> dict[str, list[float]]:
+        return {"mean": list(self.mean), "std": list(self.std)}
+
+
+class _Channels:
+    """A PIL image in ``L`` (1 channel) or ``RGB`` (3 channels)."""
+
+    def __init__(self, channels: int) -> None:
+        if channels not in (1, 3):
+            raise ValueError(f"images can be fitted to a model of 1 or 3 input channels, not {channels}")
+        self.mode = "L" if channels == 1 else "RGB"
+
+    def __call__(self, image: Any) -> Any:
+        return image if image.mode == self.mode else image.convert(self.mode)
+
+
+def image_transform(input_shape: Sequence[int], normalization: Normalization | None) -> Any:
+    """The default transform: channels, resize to ``H × W``, ToTensor, then ``normalization`` (if any)."""
+    from torchvision import transforms as T
+
+    c, h, w = (int(v) for v in input_shape)
+    steps: list[Any] = [_Channels(c), T.Resize((h, w), antialias=True), T.ToTensor()]
+    if normalization is not None:
+        if len(normalization.mean) != c:
+            raise ValueError(f"normalization has {len(normalization.mean)} channels, the model takes {c}")
+        steps.append(T.Normalize(normalization.mean, normalization.std))
+    return T.Compose(steps)
+
+
+class FittedImages(Dataset):
+    """``(transform(image), label)`` of a dataset of PIL images, decoded one item at a time."""
+
+    def __init__(self, base: Any, transform: Any) -> None:
+        self.base = base
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    @property
+    def targets(self) -> Any:
+        """The base's labels when it knows them without decoding (what partitions and checks read)."""
+        return known_labels(self.base)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        image, label = self.base[index]
+        return self.transform(image), int(label)
+
+
+def needs_fitting(data: Any) -> bool:
+    """True when the items are images (PIL) for the default transforms; False for tensors used as they are."""
+    if data is None or isinstance(data, ArrayDataset | FittedImages):
+        return False
+    from PIL import Image
+
+    item = data[0][0]
+    if isinstance(item, Image.Image):
+        return True
+    if isinstance(item, Tensor):
+        return False
+    raise ValueError(
+        f"dataset items are {type(item).__name__}: give PIL images (fedatoms resizes and normalizes them) "
+        "or tensors of the model's input shape (your own transforms)"
+    )
+
+
+def channel_stats(data: Any, input_shape: Sequence[int], *, batch_size: int = 256) -> Normalization:
+    """Per-channel mean and (population) std of ``data``'s images as the model sees them, in one streamed pass."""
+    loader = DataLoader(FittedImages(data, image_transform(input_shape, None)), batch_size=batch_size)
+    c = int(input_shape[0])
+    total = torch.zeros(c, dtype=torch.float64)
+    squares = torch.zeros(c, dtype=torch.float64)
+    count = 0
+    for xb, _ in loader:
+        x = xb.to(torch.float64).transpose(0, 1).reshape(c, -1)
+        total += x.sum(dim=1)
+        squares += (x * x).sum(dim=1)
+        count += x.shape[1]
+    if count == 0:
+        raise ValueError("cannot compute a normalization from an empty dataset")
+    mean = total / count
+    var = (squares / count - mean * mean).clamp_min(0.0)
+    # a constant channel (all-black images) would divide by zero: leave its scale alone
+    std = torch.where(var > 0, var.sqrt(), torch.ones_like(var))
+    return Normalization(tuple(mean.tolist()), tuple(std.tolist()))
+
+
+def _check_ready(name: str, data: Any, input_shape: Sequence[int]) -> None:
+    x = data.x[0] if isinstance(data, ArrayDataset) else data[0][0]
+    if tuple(x.shape) != tuple(input_shape):
+        raise ValueError(
+            f"the {name} inputs have shape {tuple(x.shape)} but the model takes {tuple(input_shape)}: "
+            "return PIL images to have fedatoms resize them, or transform to the model's input shape"
+        )
+
+
+def fit_to_model(
+    train: Any, test: Any, input_shape: Sequence[int], normalization: Normalization | None = None
+) -> tuple[Any, Any, Normalization | None]:
+    """``(train, test, normalization used)`` ready for the model; image datasets get the default transforms.
+
+    ``normalization`` ``None``: computed from ``train`` (:func:`channel_stats`); datasets of tensors are
+    returned as they are (the normalization used is then ``None``: theirs, unknown to fedatoms).
+    """
+    if not needs_fitting(train):
+        for name, ds in (("training", train), ("test", test)):
+            if ds is not None and len(ds):
+                if needs_fitting(ds):
+                    raise ValueError("the training set gives tensors but the test set gives images: give both alike")
+                _check_ready(name, ds, input_shape)
+        return train, test, None
+    if test is not None and len(test) and not needs_fitting(test):
+        raise ValueError("the training set gives images but the test set gives tensors: give both alike")
+    used = normalization if normalization is not None else channel_stats(train, input_shape)
+    transform = image_transform(input_shape, used)
+    return FittedImages(train, transform), None if test is None else FittedImages(test, transform), used

@@ -1,0 +1,34 @@
+"""Data references a test's clients name with ``--data data_refs:NAME`` (this folder is on their PYTHONPATH)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from image_folders import digits_images
+
+
+class Pictures(torch.utils.data.Dataset):
+    """PIL images and their labels: fedatoms resizes and normalizes them."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        images, labels = digits_images(1, 11)
+        self.images, self.targets = images[start:stop], labels[start:stop].tolist()
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int):
+        return self.images[i], self.targets[i]
+
+
+def load():
+    """Digits 800 … 1199 as 11×11 grayscale pictures: 320 to train, 80 to test."""
+    return Pictures(800, 1120), Pictures(1120, 1200)
+
+
+def not_a_pair():
+    return Pictures(0, 10)
