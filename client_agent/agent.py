@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS, check_model_allowed
 from client_agent.pacing import ComputeSlot, RoundWatch
 from client_agent.state import ClientState, PendingUpdate
 from client_agent.transport import AggregatorClient, Unauthenticated, task_from_proto
@@ -106,6 +107,7 @@ class Agent:
         keep_state: bool = True,
         round_watch: RoundWatch | None = None,
         defer_evaluation: bool = False,
+        allowed_models: tuple[str, ...] = DEFAULT_ALLOWED_MODELS,
     ) -> None:
         self.client = client
         self.state_dir = Path(state_dir)
@@ -125,6 +127,8 @@ class Agent:
         # False: the state is never written (a simulation in a temporary directory nobody can resume from)
         self.keep_state = keep_state
         self.round_watch = round_watch  # shared by the agents of one process: one heartbeat stream, not one each
+        # model code the aggregator may make this client import, beyond the zoo (client_agent.allowed_models)
+        self.allowed_models = tuple(allowed_models)
         self.credentials: Credentials | None = None
         self.spec: ModelSpec | None = None
         self.state: ClientState | None = None
@@ -159,6 +163,8 @@ class Agent:
             log.info("event=resumed client=%s tier=%g", creds.client_id, creds.tier)
         self.client.token = creds.token
         self.credentials = creds
+        # checked at every start, before the reference is imported: a widened allow-list lets a restart go on
+        check_model_allowed(creds.model_spec_json, self.allowed_models)
         self.spec = ModelSpec.from_json(creds.model_spec_json)
         state = ClientState.load(self.state_dir)
         if state is not None and state.client_id != creds.client_id:

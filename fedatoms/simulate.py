@@ -29,6 +29,7 @@ from fedcore.codec import decode, encode
 from fedcore.data import INPUT_SHAPES, NUM_CLASSES, ArrayDataset, load_dataset
 from fedcore.keys import derive_seed
 from fedcore.models import model_info
+from fedcore.reference import is_zoo
 from fedcore.spec import ModelSpec
 from fedcore.training import evaluate
 
@@ -69,11 +70,11 @@ class SimulationConfig(FederationConfig):
             self.model = DEFAULT_MODELS[self.dataset]
         self.num_classes = NUM_CLASSES.get(self.dataset, self.num_classes)
         expected = INPUT_SHAPES.get(self.dataset)
-        if expected is not None and model_info(self.model).input_shape != expected:
-            raise ValueError(
-                f"model {self.model!r} takes inputs {model_info(self.model).input_shape}, "
-                f"but {self.dataset} images are {expected}"
-            )
+        if expected is not None and not is_zoo(self.model) and self.input_shape is None:
+            self.input_shape = list(expected)  # a reference model takes the dataset's images as they are
+        shape = model_info(self.model).input_shape if is_zoo(self.model) else tuple(self.input_shape or ())
+        if expected is not None and shape != expected:
+            raise ValueError(f"model {self.model!r} takes inputs {shape}, but {self.dataset} images are {expected}")
         if self.clients < 1:
             raise ValueError("clients must be ≥ 1")
         super().__post_init__()
