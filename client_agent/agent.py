@@ -148,7 +148,8 @@ class Agent:
         """Load the saved identity, or register (once) and save it."""
         creds = Credentials.load(self.state_dir)
         if creds is None:
-            reply, _ = self.client.register(self.profile, self.enrollment_secret, self.name)
+            # the reply is saved before its model is checked (below): a refused client keeps its identity
+            reply = self.client.register_reply(self.profile, self.enrollment_secret, self.name)
             creds = Credentials(
                 reply.client_id,
                 reply.token,

@@ -14,7 +14,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS, check_model_allowed
 from client_agent.update import TrainTask
 from fedcore import codec
 from fedcore.spec import ModelSpec
@@ -213,14 +214,27 @@ class AggregatorClient:
     # ------------------------------------------------------------------ RPCs
 
     def register(
-        self, profile: CapabilityProfile, enrollment_secret: str, name: str | None = None
+        self,
+        profile: CapabilityProfile,
+        enrollment_secret: str,
+        name: str | None = None,
+        allowed_models: Sequence[str] = DEFAULT_ALLOWED_MODELS,
     ) -> tuple[pb.RegisterReply, ModelSpec]:
+        """Register; the reply's model reference is checked against ``allowed_models`` before it is built."""
+        reply = self.register_reply(profile, enrollment_secret, name)
+        check_model_allowed(reply.model_spec_json, allowed_models)
+        return reply, ModelSpec.from_json(reply.model_spec_json)
+
+    def register_reply(
+        self, profile: CapabilityProfile, enrollment_secret: str, name: str | None = None
+    ) -> pb.RegisterReply:
+        """Register and keep the token; the reply's model spec is left as text (nothing is imported)."""
         request = pb.RegisterRequest(profile=_profile_message(profile), enrollment_secret=enrollment_secret)
         if name:
             request.client_name = name
         reply = self._call("Register", lambda: self.stub.Register(request, timeout=self.rpc_timeout))
         self.token = reply.token
-        return reply, ModelSpec.from_json(reply.model_spec_json)
+        return reply
 
     def heartbeat(self, *, retry: bool = True) -> pb.HeartbeatReply:
         """``retry=False``: one attempt (a background beat must not sleep through a shutdown)."""
