@@ -76,7 +76,7 @@ def test_walker_keeps_depthwise_1x1_head_and_stem_plain_and_factorizes_the_rest(
 def test_head_is_the_last_linear_or_the_configured_one() -> None:
     assert head_name(Mixed()) == "cls"
     assert head_name(Mixed(), "fc") == "fc"
-    with pytest.raises(ValueError, match="not an nn.Linear"):
+    with pytest.raises(ValueError, match=r"not an nn\.Linear"):
         head_name(Mixed(), "pw")
     model = factorize(Mixed(), Factorization("lowrank", rank_ratio=0.5), head="fc")
     assert type(model.fc) is nn.Linear  # the configured head stays plain
