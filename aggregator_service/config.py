@@ -44,10 +44,19 @@ FEDERATION_TRAINING = TrainConfig(batch_size=10)
 class FederationConfig:
     """What a federation computes; every field is also a TOML key and a CLI flag."""
 
+    #: A zoo name or an import reference "package.module:callable" returning an nn.Module.
     model: str = "digits-cnn"
     num_classes: int = 10
     factorization: str = "none"
     num_atoms: int = 9
+    #: Keyword arguments the model reference is called with ([federation.model_args]).
+    model_args: dict[str, Any] = field(default_factory=dict)
+    #: Module-name patterns (fnmatch) kept full rank at every tier; unset: the model's own, else its stem.
+    full_rank: list[str] | None = None
+    #: The classifier layer kept plain at every tier; unset: the last nn.Linear.
+    head: str | None = None
+    #: One input sample's shape, e.g. [3, 32, 32]; the zoo knows its own, a reference needs it.
+    input_shape: list[int] | None = None
     tiers: list[float] = field(default_factory=lambda: [1.0])
     fraction: float = 0.5
     min_clients: int = 1
@@ -95,6 +104,12 @@ class FederationConfig:
             self.temperature = float(self.temperature)
         if self.rounds < 1:
             raise ValueError("rounds must be ≥ 1")
+        declared = self.model_args.get("num_classes") if isinstance(self.model_args, dict) else None
+        if declared is not None and declared != self.num_classes:
+            raise ValueError(
+                f"model_args.num_classes = {declared!r} but num_classes = {self.num_classes}: the model's "
+                "output and the federation's classes must agree, set both"
+            )
         if self.personal_atoms and self.factorization not in ("atoms", "atoms-lowrank"):
             raise ValueError("--personal-atoms needs --factorization atoms or atoms-lowrank")
         low = [t for t in self.tiers if t < 1.0]
@@ -151,17 +166,30 @@ class FederationConfig:
                 )
 
     def to_dict(self) -> dict[str, Any]:
+        """Every key, but the model keys left at their defaults (a zoo federation reads as it always did)."""
         d = asdict(self)
         if not d["strategy_args"]:
             del d["strategy_args"]  # records and stored configs of federations without any stay as they were
         d["temperature"] = "inf" if math.isinf(self.temperature) else self.temperature
+        for key in _OPTIONAL_MODEL_KEYS:
+            if not d[key]:
+                del d[key]
         return d
 
     @property
     def spec(self) -> ModelSpec:
         """The full-rank spec the server aggregates; tiers are ``spec.at_tier(γ)``."""
         assert self.model is not None
-        return ModelSpec(self.model, self.num_classes, self.factorization, self.num_atoms)
+        return ModelSpec(
+            self.model,
+            self.num_classes,
+            self.factorization,
+            self.num_atoms,
+            model_args=self.model_args,
+            full_rank=None if self.full_rank is None else tuple(self.full_rank),
+            head=self.head,
+            input_shape=None if self.input_shape is None else tuple(self.input_shape),
+        )
 
     def train_config(self, device: str = "auto") -> TrainConfig:
         """What clients train with: the training keys as set here, FedProx's ``mu`` only under fedprox."""
@@ -221,6 +249,9 @@ class FederationConfig:
         """:attr:`personalized` of a stored config (a federation row's JSON, older ones included)."""
         return bool(config.get("personal_atoms")) or config.get("personalization", "none") != "none"
 
+
+#: Model keys a zoo federation leaves unset; to_dict leaves them out then, so stored configs still compare equal.
+_OPTIONAL_MODEL_KEYS = ("model_args", "full_rank", "head", "input_shape")
 
 #: FederationConfig's keys that are TrainConfig fields, passed to clients as they are.
 _TRAINING_KEYS = tuple(f.name for f in fields(FederationConfig) if f.name in {g.name for g in fields(TrainConfig)})

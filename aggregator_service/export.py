@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -10,7 +11,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from aggregator_service import store
-from fedcore.layers import reconstruct_filter
+from aggregator_service.config import FederationConfig
+from fedcore.model_file import write_model_file
+
+_FEDERATION_KEYS = frozenset(f.name for f in fields(FederationConfig))
 
 __all__ = ["export_global_model", "rebind_certificate", "revoke"]
 
@@ -23,12 +27,13 @@ def _federation(session: Session, name: str, url: str) -> store.Federation:
 
 
 def export_global_model(database_url: str, round_: int, out: str | Path, federation_name: str = "default") -> Path:
-    """Write the global model after round ``round_`` as safetensors, plus ``<module>.weight = α × D`` per atom layer.
+    """Write the global model after round ``round_`` as a model file (:mod:`fedcore.model_file`).
 
-    The store keeps only the current global model, so ``round_`` must be the last closed round.
+    Safetensors with ``<module>.weight = α × D`` per atom layer, and metadata that rebuilds the
+    module: the model reference, its arguments, the factorization, full-rank patterns, input shape,
+    and the normalization when the federation gives one. The store keeps only the current global
+    model, so ``round_`` must be the last closed round.
     """
-    from safetensors.torch import save_file
-
     engine = store.create_engine_for(database_url)
     try:
         with store.session_factory(engine).begin() as s:
@@ -45,19 +50,13 @@ def export_global_model(database_url: str, round_: int, out: str | Path, federat
                     f"round, {last}" + (" (no round has closed yet; round 0 is the initial model)" if last == 0 else "")
                 )
             loaded = store.load_global_tensors(s, fed)
+            config = dict(fed.config)
     finally:
         engine.dispose()
+    spec = FederationConfig(**{k: v for k, v in config.items() if k in _FEDERATION_KEYS}).spec
     tensors = {name: torch.from_numpy(array).contiguous() for name, (array, _v, _i) in loaded.items()}
-    for name in list(tensors):
-        if name.endswith(".atoms"):
-            module = name[: -len(".atoms")]
-            coefficients = tensors.get(f"{module}.coefficients")
-            if coefficients is not None and f"{module}.weight" not in tensors:
-                tensors[f"{module}.weight"] = reconstruct_filter(coefficients, tensors[name]).contiguous()
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"federation": federation_name, "round": str(round_)})
-    return path
+    metadata = {"federation": federation_name, "round": str(round_), "normalization": config.get("normalization")}
+    return write_model_file(out, spec, tensors, metadata)
 
 
 def revoke(database_url: str, client_id: str) -> None:

@@ -239,13 +239,13 @@ class BandwidthLedger:
 def fedavg_transfer_bytes(spec: ModelSpec) -> int:
     """Payload bytes of one plain-FedAvg transfer: the whole unfactorized model, at full precision.
 
-    The ``state_dict`` of ``ModelSpec(spec.model, spec.num_classes, "none")`` (buffers included,
+    The ``state_dict`` of ``spec.unfactorized()`` (buffers included,
     each in its own dtype: fp32 weights, int64 counters), without fp16, counted as
     :mod:`fedcore.codec` counts payload (elements × item size; no chunk headers or framing).
     Plain FedAvg changes every tensor at every close, so each of its fetches after a close
     moves all of it, and each push does too.
     """
-    plain = ModelSpec(spec.model, spec.num_classes, "none")
+    plain = spec.unfactorized()
     return sum(encoded_size(t.shape, t.dtype) for t in plain.tensors)
 
 

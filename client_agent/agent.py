@@ -28,6 +28,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS, check_model_allowed
 from client_agent.pacing import ComputeSlot, RoundWatch
 from client_agent.state import ClientState, PendingUpdate
 from client_agent.transport import LONG_POLL_SECONDS, AggregatorClient, Unauthenticated, task_from_proto
@@ -111,6 +112,7 @@ class Agent:
         round_watch: RoundWatch | None = None,
         defer_evaluation: bool = False,
         long_poll_seconds: float = LONG_POLL_SECONDS,
+        allowed_models: tuple[str, ...] = DEFAULT_ALLOWED_MODELS,
     ) -> None:
         self.client = client
         self.state_dir = Path(state_dir)
@@ -130,6 +132,8 @@ class Agent:
         # False: the state is never written (a simulation in a temporary directory nobody can resume from)
         self.keep_state = keep_state
         self.round_watch = round_watch  # shared by the agents of one process: one heartbeat stream, not one each
+        # model code the aggregator may make this client import, beyond the zoo (client_agent.allowed_models)
+        self.allowed_models = tuple(allowed_models)
         self.credentials: Credentials | None = None
         self.spec: ModelSpec | None = None
         self.state: ClientState | None = None
@@ -153,7 +157,8 @@ class Agent:
         """Load the saved identity, or register (once) and save it."""
         creds = Credentials.load(self.state_dir)
         if creds is None:
-            reply, _ = self.client.register(self.profile, self.enrollment_secret, self.name)
+            # the reply is saved before its model is checked (below): a refused client keeps its identity
+            reply = self.client.register_reply(self.profile, self.enrollment_secret, self.name)
             creds = Credentials(
                 reply.client_id,
                 reply.token,
@@ -171,6 +176,8 @@ class Agent:
             log.info("event=resumed client=%s tier=%g", creds.client_id, creds.tier)
         self.client.token = creds.token
         self.credentials = creds
+        # checked at every start, before the reference is imported: a widened allow-list lets a restart go on
+        check_model_allowed(creds.model_spec_json, self.allowed_models)
         self.spec = ModelSpec.from_json(creds.model_spec_json)
         state = ClientState.load(self.state_dir)
         if state is not None and state.client_id != creds.client_id:

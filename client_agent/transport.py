@@ -17,7 +17,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS, check_model_allowed
 from client_agent.update import TrainTask
 from fedcore import codec
 from fedcore.spec import ModelSpec
@@ -255,8 +256,21 @@ class AggregatorClient:
     # ------------------------------------------------------------------ RPCs
 
     def register(
-        self, profile: CapabilityProfile, enrollment_secret: str, name: str | None = None
+        self,
+        profile: CapabilityProfile,
+        enrollment_secret: str,
+        name: str | None = None,
+        allowed_models: Sequence[str] = DEFAULT_ALLOWED_MODELS,
     ) -> tuple[pb.RegisterReply, ModelSpec]:
+        """Register; the reply's model reference is checked against ``allowed_models`` before it is built."""
+        reply = self.register_reply(profile, enrollment_secret, name)
+        check_model_allowed(reply.model_spec_json, allowed_models)
+        return reply, ModelSpec.from_json(reply.model_spec_json)
+
+    def register_reply(
+        self, profile: CapabilityProfile, enrollment_secret: str, name: str | None = None
+    ) -> pb.RegisterReply:
+        """Register and keep the token; the reply's model spec is left as text (nothing is imported)."""
         request = pb.RegisterRequest(profile=_profile_message(profile), enrollment_secret=enrollment_secret)
         if name:
             request.client_name = name
@@ -267,7 +281,7 @@ class AggregatorClient:
                 raise RegistrationRefused(f"the aggregator refused to register this client: {exc.details()}") from exc  # type: ignore[attr-defined]
             raise
         self.token = reply.token
-        return reply, ModelSpec.from_json(reply.model_spec_json)
+        return reply
 
     def heartbeat(self, *, retry: bool = True) -> pb.HeartbeatReply:
         """``retry=False``: one attempt (a background beat must not sleep through a shutdown)."""

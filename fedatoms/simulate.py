@@ -31,6 +31,7 @@ from fedcore.data import INPUT_SHAPES, NUM_CLASSES, num_classes_of
 from fedcore.datasource import describe, open_data
 from fedcore.model_input import Normalization, fit_to_model
 from fedcore.models import model_info
+from fedcore.reference import is_zoo
 from fedcore.training import Dataset, evaluate
 
 __all__ = ["DEFAULT_MODELS", "SimulationConfig", "run_simulation"]
@@ -87,11 +88,11 @@ class SimulationConfig(FederationConfig):
                 self.model = DEFAULT_MODELS[self.dataset]
             self.num_classes = NUM_CLASSES.get(self.dataset, self.num_classes)
             expected = INPUT_SHAPES.get(self.dataset)
-            if expected is not None and model_info(self.model).input_shape != expected:
-                raise ValueError(
-                    f"model {self.model!r} takes inputs {model_info(self.model).input_shape}, "
-                    f"but {self.dataset} images are {expected}"
-                )
+            if expected is not None and not is_zoo(self.model) and self.input_shape is None:
+                self.input_shape = list(expected)  # a reference model takes the dataset's images as they are
+            shape = model_info(self.model).input_shape if is_zoo(self.model) else tuple(self.input_shape or ())
+            if expected is not None and shape != expected:
+                raise ValueError(f"model {self.model!r} takes inputs {shape}, but {self.dataset} images are {expected}")
         if self.clients < 1:
             raise ValueError("clients must be ≥ 1")
         if self.engine not in ENGINES:

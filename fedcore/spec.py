@@ -9,14 +9,17 @@ and back (truncated SVD with √Σ split, spectral initialization).
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from functools import cache
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from fedcore.convert import FACTORIZATIONS, Factorization, factorize, head_name
 from fedcore.factorize import load_from_plain
 from fedcore.layers import (
     AtomConv2d,
@@ -29,7 +32,9 @@ from fedcore.layers import (
     matrix_to_conv_weight,
     matrix_to_factors,
 )
-from fedcore.models import FACTORIZATIONS, Factorization, build_model, model_info
+from fedcore.macs import count_macs
+from fedcore.models import MODELS
+from fedcore.reference import build_reference, canonical, is_zoo
 
 __all__ = [
     "FACTOR_ROLES",
@@ -59,6 +64,20 @@ FACTOR_ROLES = {
     "lowrank_u": "weight",
     "lowrank_v": "weight",
 }
+_SPEC_KEYS = frozenset(
+    {
+        "model",
+        "num_classes",
+        "factorization",
+        "num_atoms",
+        "rank_ratio",
+        "model_args",
+        "full_rank",
+        "head",
+        "input_shape",
+        "tensors",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -87,13 +106,17 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def tensor_roles(model: nn.Module) -> dict[str, str]:
-    """Role of every ``state_dict`` entry, read from the layer type and parameter name."""
+def tensor_roles(model: nn.Module, head: str | None = None) -> dict[str, str]:
+    """Role of every ``state_dict`` entry, read from the layer type and parameter name.
+
+    The head is ``head`` when given, else the model's last plain ``nn.Linear`` (the classifier).
+    """
+    head = head_name(model, head)
     roles: dict[str, str] = {}
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         for pname, _ in module.named_parameters(recurse=False):
-            if module_name == "head" or module_name.endswith(".head"):
+            if head is not None and module_name == head:
                 role = "head"
             elif isinstance(module, AtomConv2d | LowRankConv2d | LowRankLinear) and pname in ROLES:
                 role = pname
@@ -105,51 +128,26 @@ def tensor_roles(model: nn.Module) -> dict[str, str]:
     return roles
 
 
-def _hook_macs(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor, total: list[int]) -> None:
-    x = inputs[0]
-    if isinstance(module, AtomConv2d | LowRankConv2d):
-        total[0] += module.macs_per_sample(x.shape[-2], x.shape[-1])
-    elif isinstance(module, LowRankLinear):
-        total[0] += module.macs_per_sample()
-    elif isinstance(module, nn.Conv2d):
-        kh, kw = module.kernel_size
-        per_out = (module.in_channels // module.groups) * kh * kw
-        total[0] += per_out * output[0].numel()
-    elif isinstance(module, nn.Linear):
-        total[0] += module.in_features * module.out_features
-
-
-def count_macs(model: nn.Module, input_shape: tuple[int, ...]) -> int:
-    """Multiply-accumulates of one sample's forward pass through convs and linears."""
-    total = [0]
-    leaf_types = (AtomConv2d, LowRankConv2d, LowRankLinear, nn.Conv2d, nn.Linear)
-    handles = [
-        m.register_forward_hook(lambda mod, i, o: _hook_macs(mod, i, o, total))
-        for m in model.modules()
-        if isinstance(m, leaf_types)
-    ]
+def _args_json(args: Mapping[str, Any]) -> str:
+    if not isinstance(args, Mapping) or not all(isinstance(k, str) for k in args):
+        raise ValueError(f"model_args must be a table of keyword arguments, got {args!r}")
     try:
-        was_training = model.training
-        model.eval()
-        device = next(model.parameters()).device
-        with torch.no_grad():
-            model(torch.zeros(1, *input_shape, device=device))
-        model.train(was_training)
-    finally:
-        for h in handles:
-            h.remove()
-    return total[0]
+        return json.dumps(dict(args), sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"model_args must hold JSON values (numbers, strings, booleans, lists, tables): {exc}"
+        ) from None
 
 
 @cache
-def _derive(model: str, num_classes: int, factorization: str, num_atoms: int, rank_ratio: float) -> tuple:
+def _derive(spec: ModelSpec) -> tuple:
     torch_state = torch.random.get_rng_state()
     try:
         with torch.device("meta"):  # shapes only: no memory, no initialization cost
-            net = build_model(model, num_classes, factorization, num_atoms, rank_ratio)
+            net = spec.build()
     finally:
         torch.random.set_rng_state(torch_state)  # deriving a spec must not disturb anyone's seed
-    roles = tensor_roles(net)
+    roles = tensor_roles(net, spec.head)
     tensors = []
     for name, t in net.state_dict().items():
         role = roles[name]
@@ -158,29 +156,75 @@ def _derive(model: str, num_classes: int, factorization: str, num_atoms: int, ra
             full_name = f"{name.rpartition('.')[0]}.{FACTOR_ROLES[role]}"
         tensors.append(TensorSpec(name, tuple(t.shape), _dtype_name(t.dtype), role, full_name))
     params = sum(p.numel() for p in net.parameters())
-    macs = count_macs(net, model_info(model).input_shape)
+    _check_outputs(spec, net)
+    macs = count_macs(net, spec.input_shape)
     return tuple(tensors), params, macs
+
+
+def _check_outputs(spec: ModelSpec, net: nn.Module) -> None:
+    """A forward pass of ``input_shape`` must give ``num_classes`` logits, or training would fail mid-round."""
+    net.eval()
+    try:
+        with torch.no_grad():
+            out = net(torch.zeros(1, *spec.input_shape, device="meta"))
+    except Exception as exc:  # any failure of a user's forward is reported with the shape tried
+        raise ValueError(f"model {spec.model!r} cannot take inputs of shape {list(spec.input_shape)}: {exc}") from exc
+    if isinstance(out, Tensor) and tuple(out.shape) != (1, spec.num_classes):
+        raise ValueError(
+            f"model {spec.model!r} gives outputs of shape {list(out.shape[1:])} per sample, not {spec.num_classes} "
+            "class scores: set num_classes in [federation.model_args] (or the model's own argument for it)"
+        )
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Architecture + factorization + tier; everything else is derived, identically everywhere."""
+    """Architecture + factorization + tier; everything else is derived, identically everywhere.
+
+    ``model`` is a zoo name or an import reference ``"package.module:callable"`` called with
+    ``model_args``; ``full_rank`` (module-name patterns) and ``head`` override the walker's
+    rules (:mod:`fedcore.convert`); ``input_shape`` is one sample's ``(C, H, W)`` (the zoo knows
+    its own; a reference needs it).
+    """
 
     model: str
     num_classes: int
     factorization: str = "none"
     num_atoms: int = 9
     rank_ratio: float = 1.0
+    model_args: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    full_rank: tuple[str, ...] | None = None
+    head: str | None = None
+    input_shape: tuple[int, ...] | None = None
+    _args: str = field(default="{}", init=False, repr=False)
 
     def __post_init__(self) -> None:
-        model_info(self.model)
+        canonical(self.model)  # a zoo name or a well-formed reference; nothing is imported here
         Factorization(self.factorization, self.num_atoms, self.rank_ratio)
         if self.num_classes < 2:
             raise ValueError(f"num_classes must be ≥ 2, got {self.num_classes}")
+        object.__setattr__(self, "_args", _args_json(self.model_args))
+        object.__setattr__(self, "model_args", json.loads(self._args))
+        if self.full_rank is not None:
+            if isinstance(self.full_rank, str) or not all(isinstance(p, str) for p in self.full_rank):
+                raise ValueError(f"full_rank must be a list of module-name patterns, got {self.full_rank!r}")
+            object.__setattr__(self, "full_rank", tuple(self.full_rank))
+        zoo_shape = MODELS[self.model].input_shape if is_zoo(self.model) else None
+        shape = self.input_shape if self.input_shape is not None else zoo_shape
+        if shape is None:
+            raise ValueError(
+                f"model {self.model!r} needs the shape of one input sample: set input_shape = [3, 32, 32] "
+                "(channels, height, width) in [federation]"
+            )
+        shape = tuple(int(d) for d in shape)
+        if len(shape) < 1 or any(d < 1 for d in shape):
+            raise ValueError(f"input_shape must be positive sizes like [3, 32, 32], got {list(shape)}")
+        if zoo_shape is not None and shape != zoo_shape:
+            raise ValueError(f"zoo model {self.model!r} takes inputs {list(zoo_shape)}, not {list(shape)}")
+        object.__setattr__(self, "input_shape", shape)
 
     # -- derived facts
     def _derived(self) -> tuple:
-        return _derive(self.model, self.num_classes, self.factorization, self.num_atoms, float(self.rank_ratio))
+        return _derive(self)
 
     @property
     def tensors(self) -> tuple[TensorSpec, ...]:
@@ -192,12 +236,8 @@ class ModelSpec:
 
     @property
     def macs(self) -> int:
-        """Forward multiply-accumulates per sample."""
+        """Forward multiply-accumulates per sample (:func:`fedcore.macs.count_macs` of the tier's module)."""
         return self._derived()[2]
-
-    @property
-    def input_shape(self) -> tuple[int, int, int]:
-        return model_info(self.model).input_shape
 
     def __iter__(self) -> Iterator[TensorSpec]:
         return iter(self.tensors)
@@ -227,8 +267,25 @@ class ModelSpec:
         """The γ = 1 spec whose tensors the server keeps and aggregates."""
         return self.at_tier(1.0)
 
+    def unfactorized(self) -> ModelSpec:
+        """The same model with factorization ``none``: the tensors plain FedAvg would move."""
+        return replace(self, factorization="none", rank_ratio=1.0)
+
+    def build_plain(self) -> nn.Module:
+        """The model as its code defines it, before any factorization (PyTorch's default initialization)."""
+        if is_zoo(self.model):
+            info = MODELS[self.model]
+            if "num_classes" in self.model_args:
+                raise ValueError(f"zoo model {self.model!r} takes num_classes from the federation, not model_args")
+            return info.builder(self.num_classes, **self.model_args)
+        return build_reference(self.model, self.model_args)
+
+    def _factorize(self, plain: nn.Module) -> nn.Module:
+        f = Factorization(self.factorization, self.num_atoms, self.rank_ratio)
+        return factorize(plain, f, self.full_rank, self.head)
+
     def build(self) -> nn.Module:
-        return build_model(self.model, self.num_classes, self.factorization, self.num_atoms, self.rank_ratio)
+        return self._factorize(self.build_plain())
 
     def initial_model(self, seed: int) -> nn.Module:
         """Round 0's model: the plain model drawn from ``seed``, then factorized to this spec.
@@ -238,21 +295,31 @@ class ModelSpec:
         """
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            plain = build_model(self.model, self.num_classes, "none")
+            plain = self.build_plain()
             if self.factorization == "none":
                 return plain
-            return load_from_plain(self.build(), plain)
+            return load_from_plain(self._factorize(copy.deepcopy(plain)), plain)
 
     # -- JSON
     def to_dict(self) -> dict:
-        return {
+        """The spec as JSON data; keys at their defaults are left out (a zoo spec reads as it always did)."""
+        data: dict[str, Any] = {
             "model": self.model,
             "num_classes": self.num_classes,
             "factorization": self.factorization,
             "num_atoms": self.num_atoms,
             "rank_ratio": self.rank_ratio,
-            "tensors": [{**asdict(t), "shape": list(t.shape)} for t in self.tensors],
         }
+        if self.model_args:
+            data["model_args"] = self.model_args
+        if self.full_rank is not None:
+            data["full_rank"] = list(self.full_rank)
+        if self.head is not None:
+            data["head"] = self.head
+        if not is_zoo(self.model):
+            data["input_shape"] = list(self.input_shape or ())
+        data["tensors"] = [{**asdict(t), "shape": list(t.shape)} for t in self.tensors]
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -266,17 +333,22 @@ class ModelSpec:
 
     @classmethod
     def _from_dict(cls, data: Mapping) -> ModelSpec:
-        unknown = set(data) - {"model", "num_classes", "factorization", "num_atoms", "rank_ratio", "tensors"}
+        unknown = set(data) - _SPEC_KEYS
         if unknown:
             raise ValueError(f"unknown ModelSpec fields: {', '.join(sorted(unknown))}")
         if data.get("factorization", "none") not in FACTORIZATIONS:
             raise ValueError(f"unknown factorization {data.get('factorization')!r}")
+        full_rank = data.get("full_rank")
         spec = cls(
             str(data["model"]),
             int(data["num_classes"]),
             str(data.get("factorization", "none")),
             int(data.get("num_atoms", 9)),
             float(data.get("rank_ratio", 1.0)),
+            model_args=data.get("model_args", {}),
+            full_rank=None if full_rank is None else _patterns(full_rank),
+            head=data.get("head"),
+            input_shape=None if data.get("input_shape") is None else tuple(data["input_shape"]),
         )
         if "tensors" in data:
             sent = [TensorSpec(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"]]
@@ -330,6 +402,12 @@ class ModelSpec:
                 out[t.name] = u
                 out[t.name[: -len("_u")] + "_v"] = v
         return {t.name: out[t.name] for t in self.tensors}
+
+
+def _patterns(value: object) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(p, str) for p in value):
+        raise ValueError(f"full_rank must be a list of module-name patterns, got {value!r}")
+    return tuple(value)
 
 
 def factored_matrix(full: Tensor) -> Tensor:

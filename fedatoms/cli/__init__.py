@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from fedatoms.cli import aggregator, analyze, client, db, demo, simulate
+from fedatoms.cli import aggregator, analyze, client, db, demo, predict, simulate
 
 __all__ = ["build_parser", "main"]
 
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     aggregator.add_parser(sub)
     db.add_parser(sub)
     client.add_parser(sub)
+    predict.add_parser(sub)
     add_dashboard(sub)
     return parser
 

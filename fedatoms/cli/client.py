@@ -50,6 +50,7 @@ def cmd_client_run(args: argparse.Namespace) -> int:
         enrollment_secret=args.enrollment_secret or "",
         name=args.name,
         progress=not args.no_progress,
+        allowed_models=allowed_models(args.allow_model),
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -88,6 +89,15 @@ def _local_data(args: argparse.Namespace) -> tuple[Any, Any]:
     )
     vc = pop.build()[args.partition_index]
     return vc.train, vc.test
+
+
+def allowed_models(flags: list[str] | None) -> tuple[str, ...]:
+    """``--allow-model`` values: unset, the default list; ``none``, the zoo only; else exactly those given."""
+    from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS
+
+    if not flags:
+        return DEFAULT_ALLOWED_MODELS
+    return tuple(f for f in flags if f != "none")
 
 
 def _check_server(server: str) -> None:
@@ -161,6 +171,13 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--tls-key", type=Path, help="client key, for mutual TLS")
     run.add_argument(
         "--give-up-after", type=float, default=None, help="exit 4 after this many seconds unreachable [never]"
+    )
+    run.add_argument(
+        "--allow-model",
+        action="append",
+        metavar="MODULE",
+        help="model code the aggregator may make this client import, as a module prefix or a full reference; "
+        "repeat for several [the zoo and torchvision.models; 'none': the zoo only]",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar per local epoch")
     run.add_argument("-v", "--verbose", action="store_true")

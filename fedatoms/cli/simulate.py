@@ -37,6 +37,27 @@ def _strategy_arg(text: str) -> tuple[str, Any]:
         return name.strip(), value
 
 
+def _json_table(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError('give a JSON object, e.g. {"num_classes": 10}')
+    return value
+
+
+def _names(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError("give sizes like 3,32,32") from None
+
+
 def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     """One flag per :class:`SimulationConfig` key; a flag left out takes the TOML's value, then the default."""
     from fedatoms.simulate import SimulationConfig
@@ -65,7 +86,18 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--data-dir", help="where torchvision datasets live")
     g.add_argument("--download", action="store_true", default=None, help="let torchvision download missing data")
-    g.add_argument("--model", help="digits-cnn, mnist-cnn, lenet-cifar10, lenet-cifar100, resnet18 [by dataset]")
+    g.add_argument(
+        "--model",
+        help="a zoo name (digits-cnn, mnist-cnn, lenet-cifar10, lenet-cifar100, resnet18) [by dataset] "
+        "or an import reference package.module:callable, e.g. torchvision.models:resnet18",
+    )
+    g.add_argument(
+        "--model-args", type=_json_table, help="keyword arguments of --model as JSON, e.g. '{\"num_classes\": 10}'"
+    )
+    g.add_argument(
+        "--full-rank", type=_names, help="module-name patterns kept full rank at every tier, e.g. conv1,layer1.*"
+    )
+    g.add_argument("--input-shape", type=_sizes, help="one sample's C,H,W for a reference model [the dataset's]")
     g.add_argument("--factorization", choices=["none", "atoms", "lowrank", "atoms-lowrank"])
     g.add_argument("--num-atoms", type=int)
     g.add_argument("--clients", type=int, help=f"number of clients [{defaults.clients}]")

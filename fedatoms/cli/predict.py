@@ -1,0 +1,73 @@
+"""`fedatoms predict`: classify images with a model file the aggregator exported."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_parser", "load_image"]
+
+
+def load_image(path: Path, input_shape: tuple[int, ...], normalization: dict[str, Any] | None) -> Any:
+    """One image as the model's input: resized to its H×W, its channel count, scaled to [0, 1], normalized."""
+    import numpy as np
+    import torch
+    from PIL import Image, UnidentifiedImageError
+
+    channels, height, width = input_shape
+    try:
+        with Image.open(path) as image:
+            image = image.convert("L" if channels == 1 else "RGB").resize((width, height), Image.BILINEAR)
+            array = np.asarray(image, dtype=np.float32) / 255.0
+    except (OSError, UnidentifiedImageError) as exc:
+        raise ValueError(f"{path}: not an image ({exc})") from None
+    x = torch.from_numpy(array).reshape(height, width, -1).permute(2, 0, 1)
+    if x.shape[0] != channels:
+        raise ValueError(f"{path}: the model takes {channels} channels")
+    if normalization is not None:
+        mean = torch.tensor(normalization["mean"], dtype=torch.float32).reshape(-1, 1, 1)
+        std = torch.tensor(normalization["std"], dtype=torch.float32).reshape(-1, 1, 1)
+        x = (x - mean) / std
+    return x
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    import torch
+
+    from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS, check_reference
+    from fedcore.model_file import read_model_file
+
+    file = read_model_file(args.model)
+    spec = file.spec
+    if len(spec.input_shape) != 3:
+        raise ValueError(f"{args.model}: the model takes inputs {list(spec.input_shape)}, not images (C, H, W)")
+    allowed = tuple(a for a in args.allow_model if a != "none") if args.allow_model else DEFAULT_ALLOWED_MODELS
+    check_reference(spec.model, allowed)
+    model = file.plain_model()
+    batch = torch.stack([load_image(Path(p), spec.input_shape, file.normalization) for p in args.images])
+    with torch.no_grad():
+        probabilities = torch.softmax(model(batch), dim=1)
+    classes = file.classes
+    for path, p in zip(args.images, probabilities, strict=True):
+        index = int(p.argmax())
+        label = classes[index] if classes is not None and index < len(classes) else str(index)
+        print(f"{path}\t{label}\t{float(p[index]):.4f}")
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "predict",
+        help="classify images with an exported model file",
+        description="Prints one line per image: the path, the predicted class and its probability.",
+    )
+    p.add_argument("model", help="a model file written by `fedatoms aggregator export`")
+    p.add_argument("images", nargs="+", help="image files (any format Pillow reads)")
+    p.add_argument(
+        "--allow-model",
+        action="append",
+        metavar="MODULE",
+        help="model code the file may make this command import [the zoo and torchvision.models]",
+    )
+    p.set_defaults(func=cmd_predict)

@@ -1,0 +1,240 @@
+"""Any plain CNN, factorized in place: the walker that turns a built ``nn.Module`` into a tier's model.
+
+The walker visits the module tree and replaces, at the same path (so ``state_dict`` names and
+order are unchanged apart from the new parameter names):
+
+- every factorizable ``nn.Conv2d`` (square kernel > 1, ``groups == 1``, zero padding, integer
+  padding) by an :class:`AtomConv2d`, a :class:`LowRankConv2d`, or an :class:`AtomConv2d` with
+  low-rank coefficients, as :class:`Factorization` decides;
+- every ``nn.Linear`` but the head by a :class:`LowRankLinear` at tiers γ < 1.
+
+Depthwise and 1×1 convs, BatchNorm, attention, embeddings and the head stay plain tensors the
+server averages. Which convs and linears keep full rank at low tiers is a rule, not a table:
+FedHM keeps the first layers full rank, so by default the first factorizable conv (the stem)
+does; a model class may name its own layers in a ``fedatoms_full_rank`` attribute
+(module-name patterns, :mod:`fnmatch`), and the federation's ``full_rank`` patterns override
+both. A layer whose factors would not be smaller than itself (FedHM's ``r = γ·c_out`` on a
+layer that widens) keeps full rank at that tier too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from fedcore.layers import AtomConv2d, LowRankConv2d, LowRankLinear, rank_for
+
+__all__ = [
+    "FACTORIZATIONS",
+    "FULL_RANK_ATTRIBUTE",
+    "Factorization",
+    "factorizable_conv",
+    "factorize",
+    "full_rank_layers",
+    "head_name",
+]
+
+FACTORIZATIONS = ("none", "atoms", "lowrank", "atoms-lowrank")
+#: A model class's own full-rank patterns (e.g. the zoo ResNet-18: FedHM Table 5's prefix).
+FULL_RANK_ATTRIBUTE = "fedatoms_full_rank"
+
+
+@dataclass(frozen=True)
+class Factorization:
+    """How every conv and body linear of a model is parameterized for one tier.
+
+    - ``none``: plain layers.
+    - ``atoms``: every ``k×k`` conv (``k > 1``) is an :class:`AtomConv2d`; 1×1 convs stay plain
+      because a 1×1 atom is a scalar and adds nothing.
+    - ``lowrank``: FedHM; for ``rank_ratio < 1`` every conv and body linear outside the
+      full-rank layers becomes :class:`LowRankConv2d` / :class:`LowRankLinear`.
+    - ``atoms-lowrank``: atoms everywhere, and outside the full-rank layers the coefficients are
+      low-rank at ``rank_ratio``; body linears are low-rank as in ``lowrank``.
+
+    The head and 1×1 convs are never factorized (FedHM's counts need exactly that).
+    """
+
+    kind: str = "none"
+    num_atoms: int = 9
+    rank_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FACTORIZATIONS:
+            raise ValueError(f"unknown factorization {self.kind!r}; choose one of {', '.join(FACTORIZATIONS)}")
+        rank_for(self.rank_ratio, 1)  # validates the ratio
+        if self.num_atoms < 1:
+            raise ValueError(f"num_atoms must be ≥ 1, got {self.num_atoms}")
+
+    @property
+    def low_rank(self) -> bool:
+        return self.kind in ("lowrank", "atoms-lowrank") and self.rank_ratio < 1.0
+
+    def conv(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        stride: int | tuple[int, ...] = 1,
+        padding: int | tuple[int, ...] = 0,
+        bias: bool = True,
+        keep_full_rank: bool = False,
+        dilation: int | tuple[int, ...] = 1,
+    ) -> nn.Module:
+        """The layer this factorization makes of a ``kernel_size`` conv (a plain one when nothing applies)."""
+        reduce = self.low_rank and not keep_full_rank
+        if self.kind in ("atoms", "atoms-lowrank") and kernel_size > 1:
+            rank = None
+            if reduce:
+                rank = min(rank_for(self.rank_ratio, out_channels), in_channels * self.num_atoms)
+                if not _smaller(rank, out_channels, in_channels * self.num_atoms):
+                    rank = None
+            return AtomConv2d(
+                in_channels,
+                out_channels,
+                kernel_size,
+                num_atoms=self.num_atoms,
+                stride=stride,
+                padding=padding,
+                dilation=dilation,
+                bias=bias,
+                rank=rank,
+            )
+        rank = min(rank_for(self.rank_ratio, out_channels), in_channels * kernel_size)
+        k = kernel_size
+        if self.kind == "lowrank" and reduce and k > 1 and _smaller(rank, out_channels * k, in_channels * k):
+            return LowRankConv2d(
+                in_channels,
+                out_channels,
+                kernel_size,
+                rank,
+                stride=stride,
+                padding=padding,
+                dilation=dilation,
+                bias=bias,
+            )
+        return nn.Conv2d(
+            in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation, bias=bias
+        )
+
+    def linear(self, in_features: int, out_features: int, keep_full_rank: bool = False, bias: bool = True) -> nn.Module:
+        rank = min(rank_for(self.rank_ratio, out_features), in_features)
+        if self.low_rank and not keep_full_rank and _smaller(rank, out_features, in_features):
+            return LowRankLinear(in_features, out_features, rank, bias=bias)
+        return nn.Linear(in_features, out_features, bias=bias)
+
+
+def _smaller(rank: int, rows: int, cols: int) -> bool:
+    """Whether rank-``rank`` factors of a ``rows × cols`` matrix hold fewer numbers than the matrix.
+
+    FedHM's ``r = γ·c_out`` can exceed that for a layer that widens (a 576 → 1024 linear at
+    γ = ½ would grow by 40 %); such a layer stays full rank at that tier.
+    """
+    return rank * (rows + cols) < rows * cols
+
+
+def factorizable_conv(module: nn.Module) -> bool:
+    """A conv whose filters can be atoms × coefficients or FedHM factors exactly."""
+    if type(module) is not nn.Conv2d:
+        return False
+    kh, kw = module.kernel_size
+    return (
+        kh == kw
+        and kh > 1
+        and module.groups == 1
+        and module.padding_mode == "zeros"
+        and not isinstance(module.padding, str)
+    )
+
+
+def head_name(model: nn.Module, configured: str | None = None) -> str | None:
+    """The classifier: ``configured`` when given (it must be an ``nn.Linear``), else the last ``nn.Linear``."""
+    linears = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    if configured is not None:
+        module = dict(model.named_modules()).get(configured)
+        if not isinstance(module, nn.Linear):
+            raise ValueError(
+                f"head {configured!r} is not an nn.Linear of the model; its linears are {linears or 'none'}"
+            )
+        return configured
+    return linears[-1] if linears else None
+
+
+def full_rank_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> frozenset[str]:
+    """Names of the convs and linears that keep full rank at every tier (FedHM's first layers).
+
+    ``patterns`` (fnmatch, against module names) override the model class's own
+    ``fedatoms_full_rank``, which overrides the default: the first factorizable conv.
+    """
+    candidates = [name for name, m in model.named_modules() if factorizable_conv(m) or type(m) is nn.Linear]
+    if patterns is None:
+        patterns = getattr(model, FULL_RANK_ATTRIBUTE, None)
+    if patterns is None:
+        first = next((name for name, m in model.named_modules() if factorizable_conv(m)), None)
+        return frozenset() if first is None else frozenset({first})
+    if isinstance(patterns, str):
+        raise ValueError(f"full-rank patterns are a list of module-name patterns, got the string {patterns!r}")
+    chosen = frozenset(name for name in candidates if any(fnmatchcase(name, p) for p in patterns))
+    unmatched = [p for p in patterns if not any(fnmatchcase(name, p) for name in candidates)]
+    if unmatched:
+        raise ValueError(
+            f"full-rank patterns {unmatched} match no conv or linear of the model; "
+            f"its factorizable layers start {candidates[:6]}"
+        )
+    return chosen
+
+
+def factorize(
+    model: nn.Module,
+    factorization: Factorization,
+    full_rank: Sequence[str] | None = None,
+    head: str | None = None,
+) -> nn.Module:
+    """Replace ``model``'s convs and body linears in place by ``factorization``'s layers; returns ``model``.
+
+    New layers are freshly initialized on the device the model's parameters are on (the
+    meta device included): values come later, from :func:`fedcore.factorize.load_from_plain`
+    or from the server's tensors.
+    """
+    if factorization.kind == "none":
+        return model
+    keep = full_rank_layers(model, full_rank)
+    head = head_name(model, head)
+    targets = [
+        (name, m)
+        for name, m in model.named_modules()
+        if name != head and (factorizable_conv(m) or (type(m) is nn.Linear and factorization.low_rank))
+    ]
+    for name, old in targets:
+        new = _replacement(old, factorization, keep_full_rank=name in keep)
+        if new is None:
+            continue
+        device = next(old.parameters()).device
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, new.to(device=device, dtype=old.weight.dtype))
+    return model
+
+
+def _replacement(old: nn.Module, f: Factorization, keep_full_rank: bool) -> nn.Module | None:
+    device = old.weight.device
+    if isinstance(old, nn.Linear):
+        if keep_full_rank:
+            return None
+        return f.linear(old.in_features, old.out_features, bias=old.bias is not None).to(device)
+    assert isinstance(old, nn.Conv2d)
+    new = f.conv(
+        old.in_channels,
+        old.out_channels,
+        old.kernel_size[0],
+        stride=old.stride,
+        padding=old.padding,  # type: ignore[arg-type]  # factorizable_conv refused the string form
+        bias=old.bias is not None,
+        keep_full_rank=keep_full_rank,
+        dilation=old.dilation,
+    )
+    if type(new) is nn.Conv2d:
+        return None  # nothing to factorize at this tier: keep the original layer (and its values)
+    return new.to(device)

@@ -1,0 +1,50 @@
+"""Models a user would bring, importable by reference (``user_models:UserCNN``) from the tests' path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import Tensor, nn
+
+# A process importing this module leaves its pid here: the allow-list test reads it to know who imported it.
+_MARKER = os.environ.get("FEDATOMS_TEST_IMPORT_MARKER")
+if _MARKER:
+    with Path(_MARKER).open("a") as f:
+        f.write(f"{os.getpid()}\n")
+
+
+class UserCNN(nn.Module):
+    """A user's own CNN: a 5×5 stem, a dilated 3×3 conv, a depthwise conv, a 1×1 conv and two linears."""
+
+    def __init__(self, num_classes: int = 10, width: int = 8, in_channels: int = 3) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_channels, width, 5, padding=2),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=2, dilation=2, bias=False),
+            nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1, groups=2 * width),  # depthwise: stays plain
+            nn.Conv2d(2 * width, 2 * width, 1),  # 1×1: stays plain
+            nn.AdaptiveAvgPool2d(2),
+        )
+        self.fc = nn.Linear(8 * width, 4 * width)
+        self.classifier = nn.Linear(4 * width, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(torch.relu(self.fc(self.features(x).flatten(1))))
+
+
+def cifar_vgg11_bn(num_classes: int = 10) -> nn.Module:
+    """torchvision's ``vgg11_bn`` (its eight conv+BN layers unchanged) with the usual CIFAR classifier.
+
+    At 32×32 torchvision's ImageNet classifier is 25088→4096→4096 (123M parameters), too large to
+    federate in a test; the convs, the part fedatoms factorizes, are torchvision's own.
+    """
+    net = torchvision.models.vgg11_bn(num_classes=num_classes)
+    net.avgpool = nn.AdaptiveAvgPool2d(1)
+    net.classifier = nn.Sequential(nn.Linear(512, 128), nn.ReLU(), nn.Linear(128, num_classes))
+    return net

@@ -1,0 +1,108 @@
+"""The walker's rules and the FLOP-counter MACs, against hand counts and hand-picked layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fedcore.convert import Factorization, factorize, full_rank_layers, head_name
+from fedcore.layers import AtomConv2d, LowRankConv2d, LowRankLinear
+from fedcore.macs import count_macs
+from fedcore.models import build_model
+from fedcore.spec import ModelSpec
+
+
+class Small(nn.Module):
+    """conv 3→4 (3×3, pad 1) on 8×8, BN, linear 256→5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.out = nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+class Mixed(nn.Module):
+    """A stem, a depthwise stride-2 conv, a 1×1 conv and two linears on 4×6×6."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.dw = nn.Conv2d(4, 4, 3, stride=2, padding=1, groups=4)
+        self.pw = nn.Conv2d(4, 8, 1)
+        self.fc = nn.Linear(72, 6)
+        self.cls = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pw(self.dw(self.stem(x)))
+        return self.cls(torch.relu(self.fc(x.flatten(1))))
+
+
+def test_macs_of_a_conv_bn_linear_model_by_hand() -> None:
+    # conv: 4 outputs × 3 inputs × 9 taps × 64 positions; linear: 256 × 5; BN is not a MAC
+    assert count_macs(Small(), (3, 8, 8)) == 4 * 3 * 9 * 64 + 256 * 5
+
+
+def test_macs_of_depthwise_pointwise_and_a_low_rank_linear_by_hand() -> None:
+    model = factorize(Mixed(), Factorization("lowrank", rank_ratio=0.5), full_rank=["stem"])
+    assert isinstance(model.fc, LowRankLinear) and model.fc.rank == 3
+    stem = 4 * 4 * 9 * 36  # full rank by the pattern
+    depthwise = 4 * 1 * 9 * 9  # one input channel per filter, 3×3 outputs
+    pointwise = 8 * 4 * 9
+    low_rank_fc = 3 * (72 + 6)  # V then U
+    head = 6 * 3
+    assert count_macs(model, (4, 6, 6)) == stem + depthwise + pointwise + low_rank_fc + head
+
+
+def test_macs_on_the_meta_device_equal_those_on_the_cpu() -> None:
+    with torch.device("meta"):
+        meta = Small()
+    assert count_macs(meta, (3, 8, 8)) == count_macs(Small(), (3, 8, 8))
+
+
+def test_walker_keeps_depthwise_1x1_head_and_stem_plain_and_factorizes_the_rest() -> None:
+    model = factorize(Mixed(), Factorization("atoms-lowrank", num_atoms=5, rank_ratio=0.5))
+    assert isinstance(model.stem, AtomConv2d) and model.stem.rank is None  # the stem: atoms, full rank
+    assert type(model.dw) is nn.Conv2d and type(model.pw) is nn.Conv2d
+    assert isinstance(model.fc, LowRankLinear) and type(model.cls) is nn.Linear
+    lowrank = factorize(Mixed(), Factorization("lowrank", rank_ratio=0.5), full_rank=[])
+    assert isinstance(lowrank.stem, LowRankConv2d)  # no full-rank layer when the patterns name none
+
+
+def test_head_is_the_last_linear_or_the_configured_one() -> None:
+    assert head_name(Mixed()) == "cls"
+    assert head_name(Mixed(), "fc") == "fc"
+    with pytest.raises(ValueError, match=r"not an nn\.Linear"):
+        head_name(Mixed(), "pw")
+    model = factorize(Mixed(), Factorization("lowrank", rank_ratio=0.5), head="fc")
+    assert type(model.fc) is nn.Linear  # the configured head stays plain
+
+
+def test_full_rank_patterns_override_the_models_own_and_unmatched_ones_are_refused() -> None:
+    resnet = build_model("resnet18")
+    assert full_rank_layers(resnet) == {"conv1", "layer1.0.conv1", "layer1.0.conv2"}  # FedHM Table 5
+    assert full_rank_layers(resnet, ["layer4.*"]) >= {"layer4.0.conv1", "layer4.1.conv2"}
+    assert "conv1" not in full_rank_layers(resnet, ["layer4.*"])
+    with pytest.raises(ValueError, match="match no conv or linear"):
+        full_rank_layers(resnet, ["nope.*"])
+
+
+def test_a_widening_linear_stays_full_rank_where_its_factors_would_be_larger() -> None:
+    wide = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+    model = factorize(wide, Factorization("lowrank", rank_ratio=0.5))
+    # rank 16 factors of 32×8 hold 16·40 = 640 numbers, the matrix 256: it stays a plain Linear
+    assert type(model[0]) is nn.Linear
+
+
+def test_a_reference_needs_an_input_shape_and_the_right_number_of_classes() -> None:
+    with pytest.raises(ValueError, match="input_shape"):
+        ModelSpec("torchvision.models:resnet18", 10, model_args={"num_classes": 10})
+    spec = ModelSpec("torchvision.models:resnet18", 10, input_shape=(3, 32, 32))  # builds 1000 classes
+    with pytest.raises(ValueError, match="num_classes"):
+        _ = spec.tensors
+    with pytest.raises(ValueError, match="import reference"):
+        ModelSpec("not a reference", 10, input_shape=(3, 32, 32))
