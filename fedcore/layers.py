@@ -30,6 +30,7 @@ __all__ = [
     "matrix_to_conv_weight",
     "matrix_to_factors",
     "orthonormal_atoms",
+    "RANK_FLOOR",
     "rank_for",
     "reconstruct_filter",
 ]
@@ -58,11 +59,23 @@ def _check_convertible(conv: nn.Conv2d) -> None:
         raise ValueError(f"string padding {conv.padding!r} is not supported; give explicit integer padding")
 
 
-def rank_for(rank_ratio: float, out_features: int) -> int:
-    """FedHM's rank rule ``r = max(1, round(γ·c_out))`` (specs/fedhm.md §1.3)."""
+#: The smallest rank a low-rank layer gets unless it is narrower (``rank_for``'s ``floor``).
+RANK_FLOOR = 8
+
+
+def rank_for(rank_ratio: float, out_features: int, floor: int = RANK_FLOOR) -> int:
+    """FedHM's rank rule ``round(γ·c_out)`` (specs/fedhm.md §1.3), never below ``min(c_out, floor)``.
+
+    FedHM's literal rule is ``floor=1``: a 32-channel conv at γ = ⅛ gets rank 4, four directions for
+    a layer whose full weight costs little to send. The floor of 8 keeps narrow layers expressive
+    where they are cheap; layers of 64 or more outputs (every factorized layer of the zoo's models,
+    so FedHM's ResNet-18 parameter counts) are unchanged at every tier.
+    """
     if not 0.0 < rank_ratio <= 1.0:
         raise ValueError(f"rank_ratio must be in (0, 1], got {rank_ratio}")
-    return max(1, round(rank_ratio * out_features))
+    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1:
+        raise ValueError(f"floor must be an integer ≥ 1, got {floor!r}")
+    return max(round(rank_ratio * out_features), min(out_features, floor), 1)
 
 
 # --------------------------------------------------------------------------- pure functions

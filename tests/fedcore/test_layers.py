@@ -515,8 +515,30 @@ RANKS = {
 
 
 @pytest.mark.parametrize("c_out", sorted(RANKS))
-def test_rank_for(c_out):
-    assert [rank_for(g, c_out) for g in (1.0, 0.5, 0.25, 0.125)] == list(RANKS[c_out])
+def test_rank_for_literal(c_out):
+    """FedHM's literal rule, ``floor=1``."""
+    assert [rank_for(g, c_out, floor=1) for g in (1.0, 0.5, 0.25, 0.125)] == list(RANKS[c_out])
+
+
+# The default floor of 8, by hand: max(round(γ·c_out), min(c_out, 8)).
+FLOORED = {
+    3: (3, 3, 3, 3),  # narrower than the floor: full rank at every tier
+    20: (20, 10, 8, 8),  # 5 → 8; 2.5 → 2 → 8
+    32: (32, 16, 8, 8),  # the issue's case: 4 → 8 at ⅛
+    64: (64, 32, 16, 8),  # unchanged from 64 outputs up
+    512: (512, 256, 128, 64),
+}
+
+
+@pytest.mark.parametrize("c_out", sorted(FLOORED))
+def test_rank_for_floor(c_out):
+    assert [rank_for(g, c_out) for g in (1.0, 0.5, 0.25, 0.125)] == list(FLOORED[c_out])
+
+
+def test_rank_for_rejects_a_floor_below_one():
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="floor"):
+            rank_for(0.5, 64, floor=bad)
 
 
 def test_rank_for_rejects_ratios_outside_the_unit_interval():
