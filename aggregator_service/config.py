@@ -71,8 +71,6 @@ class FederationConfig:
     warmup_rounds: int = 6
     hold_cohort: str = "while_relaxed"
     lama_protect: str = "head_and_first"
-    # FedHM tiers: average a low tier's change into the full-rank model instead of its truncated values
-    keep_tier_residual: bool = True
     personal_atoms: bool = False
     personal_epochs: int | None = FEDERATION_TRAINING.personal_epochs
     atom_lr: str = FEDERATION_TRAINING.atom_lr
@@ -172,7 +170,6 @@ class FederationConfig:
             tiers=self.tiers,
             init_seed=self.seed,
             fp16=self.fp16,
-            keep_tier_residual=self.keep_tier_residual,
         )
 
 

@@ -49,11 +49,11 @@ from fedcore.spec import ROLES, TensorSpec
 
 __all__ = [
     "DEFAULT_SLOW_ROLES",
+    "HOLD_COHORT",
     "POLICIES",
+    "PROTECT",
     "EveryRound",
     "FedLAMA",
-    "HOLD_COHORT",
-    "PROTECT",
     "FixedSchedule",
     "IntervalPolicy",
     "LamaTrace",

@@ -2,8 +2,7 @@
 
 The server keeps one full-rank model; a client of tier γ trains low-rank factors of its
 factorized tensors, so each tier's download is cut from the new global tensors by truncated
-SVD, once per tensor for all tiers. What the truncation drops, the tier's *residual*
-(:func:`tier_residuals`), is what a low-tier push cannot say anything about.
+SVD, once per tensor for all tiers.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from torch import Tensor
 
 from fedcore.spec import ModelSpec, factored_matrix
 
-__all__ = ["refactorize", "tier_residuals"]
+__all__ = ["refactorize"]
 
 
 def refactorize(
@@ -47,18 +46,3 @@ def refactorize(
                 tier[t.name[: -len("_u")] + "_v"] = (root[:, None] * vh[:rank]).to(full.dtype)
         out[spec.rank_ratio] = {t.name: tier[t.name] for t in spec.tensors}
     return out
-
-
-def tier_residuals(
-    global_tensors: Mapping[str, Tensor], tier_spec: ModelSpec, tier_tensors: Mapping[str, Tensor]
-) -> dict[str, Tensor]:
-    """``W − U₀V₀`` per factorized full-rank tensor: the global value minus what the tier's download rebuilds.
-
-    A client of this tier starts from ``U₀V₀`` and pushes ``U_k V_k``; adding the residual back
-    before averaging (``keep_tier_residual``) averages its *change* into the full-rank model, so
-    the spectrum tail the client never saw is kept instead of being pulled towards zero with the
-    tier's weight every round (FedHM eq. 1 averages ``U_k V_k`` as it is).
-    """
-    factors = {t.name: tier_tensors[t.name] for t in tier_spec.tensors if t.full_name is not None}
-    rebuilt = tier_spec.to_full(factors)
-    return {name: global_tensors[name] - value for name, value in rebuilt.items()}

@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
 from aggregator_service.intervals import IntervalPolicy, discrepancy
 from aggregator_service.metrics import latent_clients
-from aggregator_service.refactorization import refactorize, tier_residuals
+from aggregator_service.refactorization import refactorize
 from aggregator_service.strategies import RoundAccumulator, Strategy
 from aggregator_service.updates import AggregateResult, ClientUpdate
 from fedcore.keys import derive_seed
@@ -103,7 +103,6 @@ class Federation:
         init_seed: int = 0,
         global_tensors: Mapping[str, Tensor] | None = None,
         fp16: bool = False,
-        keep_tier_residual: bool = False,
     ) -> None:
         self.spec = spec.full()
         self.tiers = tuple(sorted({float(t) for t in tiers}, reverse=True))
@@ -111,7 +110,6 @@ class Federation:
         self.policy = policy
         self.sampler = sampler
         self.fp16 = fp16
-        self.keep_tier_residual = keep_tier_residual
         if global_tensors is None:
             global_tensors = self.spec.initial_model(init_seed).state_dict()
         missing = set(self.spec.names) - set(global_tensors)
@@ -122,7 +120,6 @@ class Federation:
         self.round = 0
         self.cohort: tuple[str, ...] = ()
         self._tier_cache: tuple[tuple[int, ...], dict[float, dict[str, Tensor]]] = ((), {})
-        self._residual_cache: tuple[tuple[int, ...], dict[float, dict[str, Tensor]]] = ((), {})
         self._acc: RoundAccumulator | None = None
         self._plan: RoundPlan | None = None
         self._fold_order: list[str] = []
@@ -143,17 +140,6 @@ class Federation:
             per_tier = refactorize(self.global_tensors, [self.tier_spec(t) for t in tiers])
             self._tier_cache = (key, per_tier)
         return per_tier[tier]
-
-    def tier_residual(self, tier: float) -> dict[str, Tensor]:
-        """What ``tier``'s download leaves out of each factorized global tensor (cached with the downloads)."""
-        tensors = self.tier_tensors(tier)
-        key, cache = self._residual_cache
-        if key != self._tier_cache[0] or tier not in cache:
-            if key != self._tier_cache[0]:
-                cache = {}
-            cache[tier] = tier_residuals(self.global_tensors, self.tier_spec(tier), tensors)
-            self._residual_cache = (self._tier_cache[0], cache)
-        return cache[tier]
 
     def tier_versions(self, tier: float) -> dict[str, int]:
         return {t.name: self.versions[t.full_name or t.name] for t in self.tier_spec(tier).tensors}
@@ -194,9 +180,6 @@ class Federation:
             raise RuntimeError("no open round")
         if update.client_id not in self._plan.cohort:
             raise ValueError(f"client {update.client_id} is not in round {self._plan.round}'s cohort")
-        if self.keep_tier_residual and update.tier < 1.0:
-            residual = self.tier_residual(update.tier)
-            update = replace(update, residual={n: residual[n] for n in self._plan.due if n in residual})
         self.strategy.fold(self._acc, update)
         self._fold_order.append(update.client_id)
 

@@ -34,9 +34,6 @@ class ClientUpdate:
     tensors: Mapping[str, Tensor]
     control_delta: Mapping[str, Tensor] | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
-    #: full-rank name → what this tier's download left out of the global value (added back after
-    #: alignment; the server sets it, see aggregator_service.refactorization.tier_residuals)
-    residual: Mapping[str, Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:

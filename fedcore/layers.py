@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
+    "RANK_FLOOR",
     "AtomConv2d",
     "LowRankConv2d",
     "LowRankLinear",
@@ -30,7 +31,6 @@ __all__ = [
     "matrix_to_conv_weight",
     "matrix_to_factors",
     "orthonormal_atoms",
-    "RANK_FLOOR",
     "rank_for",
     "reconstruct_filter",
 ]

@@ -78,13 +78,10 @@ class FedAvg(Strategy):
         except KeyError as exc:
             raise ValueError(f"client {update.client_id}: {exc.args[0]}") from exc
         local = self.local_tensors(update.spec)
-        residual = update.residual or {}
         out: dict[str, Tensor] = {}
         for name, tensor in full.items():
             if name not in acc.shapes or name in local:
                 continue  # not due this round (or never aggregated): ignored
-            if name in residual:
-                tensor = tensor + residual[name]
             if tuple(tensor.shape) != acc.shapes[name]:
                 raise ValueError(
                     f"client {update.client_id}: {name!r} aligns to shape {tuple(tensor.shape)}, "

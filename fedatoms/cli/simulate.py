@@ -79,12 +79,6 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
         choices=["head_and_first", "none"],
         help="FedLAMA: never relax the head and the first layer (default), or relax any kernel (the paper)",
     )
-    g.add_argument(
-        "--keep-tier-residual",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="tiers < 1: average a client's change into the full-rank model (default), or its truncated values (FedHM)",
-    )
     g.add_argument("--tiers", type=_tiers, help="capability tiers assigned round-robin, e.g. 1,0.5,0.25,0.125")
     g.add_argument("--personal-atoms", action="store_true", default=None, help="keep personal atoms per client")
     g.add_argument("--personal-epochs", type=int)
