@@ -88,16 +88,28 @@ def _parse_value(text: str) -> Any:
 
 
 def _run(job: tuple[str, int, dict[str, Any]]) -> tuple[str, int, Outcome]:
+    """One simulation; a run whose training turns non-finite counts its rounds so far and 0 accuracy after."""
     from fedatoms.simulate import SimulationConfig, run_simulation
+    from fedcore.codec import CodecError
 
     name, seed, keys = job
     started = time.perf_counter()
-    rounds = run_simulation(SimulationConfig(**keys, seed=seed))["rounds"]
+    rounds: list[dict[str, Any]] = []
+    diverged = False
+    try:
+        run_simulation(SimulationConfig(**keys, seed=seed), progress=rounds.append)
+    except CodecError as exc:
+        if exc.kind != "nonfinite":
+            raise
+        diverged = True
+    accuracy = [r["test_accuracy"] for r in rounds]
+    moved = [r["cumulative_bytes_up"] + r["cumulative_bytes_down"] for r in rounds]
+    missing = keys["rounds"] - len(rounds)
     outcome = Outcome(
-        [r["test_accuracy"] for r in rounds],
-        [r["cumulative_bytes_up"] + r["cumulative_bytes_down"] for r in rounds],
-        time.perf_counter() - started,
+        accuracy + [0.0] * missing, moved + [moved[-1] if moved else 0] * missing, time.perf_counter() - started
     )
+    if diverged:
+        print(f"  {name} seed {seed}: non-finite tensors after round {len(rounds)}", file=sys.stderr, flush=True)
     return name, seed, outcome
 
 
