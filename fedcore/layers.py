@@ -59,17 +59,17 @@ def _check_convertible(conv: nn.Conv2d) -> None:
         raise ValueError(f"string padding {conv.padding!r} is not supported; give explicit integer padding")
 
 
-#: The smallest rank a low-rank layer gets unless it is narrower (``rank_for``'s ``floor``).
+#: The narrow-layer floor ``rank_for`` offers: rank ≥ min(c_out, 8).
 RANK_FLOOR = 8
 
 
-def rank_for(rank_ratio: float, out_features: int, floor: int = RANK_FLOOR) -> int:
+def rank_for(rank_ratio: float, out_features: int, floor: int = 1) -> int:
     """FedHM's rank rule ``round(γ·c_out)`` (specs/fedhm.md §1.3), never below ``min(c_out, floor)``.
 
-    FedHM's literal rule is ``floor=1``: a 32-channel conv at γ = ⅛ gets rank 4, four directions for
-    a layer whose full weight costs little to send. The floor of 8 keeps narrow layers expressive
-    where they are cheap; layers of 64 or more outputs (every factorized layer of the zoo's models,
-    so FedHM's ResNet-18 parameter counts) are unchanged at every tier.
+    FedHM's literal rule is ``floor=1`` (the default): a 32-channel conv at γ = ⅛ gets rank 4, four
+    directions for a layer whose full weight costs little to send. ``floor=RANK_FLOOR`` keeps narrow
+    layers expressive where they are cheap; layers of 64 or more outputs (every factorized layer of
+    the zoo's models, so FedHM's ResNet-18 parameter counts) are unchanged at every tier by it.
     """
     if not 0.0 < rank_ratio <= 1.0:
         raise ValueError(f"rank_ratio must be in (0, 1], got {rank_ratio}")

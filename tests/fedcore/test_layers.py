@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fedcore.layers import (
+    RANK_FLOOR,
     AtomConv2d,
     LowRankConv2d,
     LowRankLinear,
@@ -516,11 +517,11 @@ RANKS = {
 
 @pytest.mark.parametrize("c_out", sorted(RANKS))
 def test_rank_for_literal(c_out):
-    """FedHM's literal rule, ``floor=1``."""
-    assert [rank_for(g, c_out, floor=1) for g in (1.0, 0.5, 0.25, 0.125)] == list(RANKS[c_out])
+    """FedHM's literal rule, the default ``floor=1``."""
+    assert [rank_for(g, c_out) for g in (1.0, 0.5, 0.25, 0.125)] == list(RANKS[c_out])
 
 
-# The default floor of 8, by hand: max(round(γ·c_out), min(c_out, 8)).
+# The narrow-layer floor of 8, by hand: max(round(γ·c_out), min(c_out, 8)).
 FLOORED = {
     3: (3, 3, 3, 3),  # narrower than the floor: full rank at every tier
     20: (20, 10, 8, 8),  # 5 → 8; 2.5 → 2 → 8
@@ -532,7 +533,8 @@ FLOORED = {
 
 @pytest.mark.parametrize("c_out", sorted(FLOORED))
 def test_rank_for_floor(c_out):
-    assert [rank_for(g, c_out) for g in (1.0, 0.5, 0.25, 0.125)] == list(FLOORED[c_out])
+    assert RANK_FLOOR == 8
+    assert [rank_for(g, c_out, floor=RANK_FLOOR) for g in (1.0, 0.5, 0.25, 0.125)] == list(FLOORED[c_out])
 
 
 def test_rank_for_rejects_a_floor_below_one():
