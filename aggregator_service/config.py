@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from aggregator_service.intervals import build_policy
+from aggregator_service.intervals import HOLD_COHORT, PROTECT, build_policy
 from aggregator_service.listen import is_loopback, split_listen
 from aggregator_service.rounds import CohortSampler, Federation
 from aggregator_service.strategies import Setting, accepts, build_strategy, strategy_class
@@ -60,7 +60,9 @@ class FederationConfig:
     tiers: list[float] = field(default_factory=lambda: [1.0])
     fraction: float = 0.5
     min_clients: int = 1
-    cohort: str = "period"
+    # resample every round: with intervals above 1, unsynced tensors then restart from the global value
+    # ("period" keeps the cohort for the sync period and continues them locally, FedLAMA's literal rule)
+    cohort: str = "per_round"
     rounds: int = 20
     local_epochs: int = FEDERATION_TRAINING.local_epochs
     batch_size: int = FEDERATION_TRAINING.batch_size
@@ -81,7 +83,11 @@ class FederationConfig:
     beta: float = 0.2
     tau: int = 1
     phi: int = 2
-    warmup_rounds: int = 0
+    # FedLAMA: relax nothing before this round (the official code's first adjustment follows 6 τ' rounds;
+    # 0 is the paper's Algorithm 1), and keep a cohort for φτ' rounds only while something is relaxed
+    warmup_rounds: int = 6
+    hold_cohort: str = "while_relaxed"
+    lama_protect: str = "head_and_first"
     personal_atoms: bool = False
     personal_epochs: int | None = FEDERATION_TRAINING.personal_epochs
     atom_lr: str = FEDERATION_TRAINING.atom_lr
@@ -127,6 +133,10 @@ class FederationConfig:
             raise ValueError(f"strategy {self.strategy!r} does not compose with this federation: {refusal}")
         if not math.isinf(self.temperature) and self.weighting != "tier-softmax":
             raise ValueError("--temperature only applies with --weighting tier-softmax")
+        if self.lama_protect not in PROTECT:
+            raise ValueError(f"lama_protect must be one of {', '.join(PROTECT)}, got {self.lama_protect!r}")
+        if self.hold_cohort not in HOLD_COHORT:
+            raise ValueError(f"hold_cohort must be one of {', '.join(HOLD_COHORT)}, got {self.hold_cohort!r}")
         if self.interval_policy == "fixed" and self.factorization not in ("atoms", "atoms-lowrank"):
             raise ValueError(
                 "the fixed policy delays atom coefficients: it needs --factorization atoms or atoms-lowrank"
@@ -223,7 +233,13 @@ class FederationConfig:
         if self.interval_policy == "fixed":
             return {"beta": self.beta}
         if self.interval_policy == "fedlama":
-            return {"tau_base": self.tau, "phi": self.phi, "warmup_rounds": self.warmup_rounds}
+            return {
+                "tau_base": self.tau,
+                "phi": self.phi,
+                "warmup_rounds": self.warmup_rounds,
+                "hold_cohort": self.hold_cohort,
+                "protect": self.lama_protect,
+            }
         return {}
 
     def build_federation(self, num_clients_total: int) -> Federation:

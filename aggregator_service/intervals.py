@@ -49,7 +49,9 @@ from fedcore.spec import ROLES, TensorSpec
 
 __all__ = [
     "DEFAULT_SLOW_ROLES",
+    "HOLD_COHORT",
     "POLICIES",
+    "PROTECT",
     "EveryRound",
     "FedLAMA",
     "FixedSchedule",
@@ -60,6 +62,7 @@ __all__ = [
     "is_relaxable",
     "lama_adjust",
     "lama_trace",
+    "protected_modules",
 ]
 
 STATE_FORMAT = 1
@@ -224,6 +227,11 @@ class IntervalPolicy(ABC):
     def sync_period(self) -> int:
         """Rounds after which every tensor has synced: the lcm of the intervals the policy can use."""
 
+    @property
+    def cohort_period(self) -> int:
+        """Rounds a cohort is kept (from a round ``r`` with ``(r − 1) mod cohort_period = 0``): the sync period."""
+        return self.sync_period
+
     @abstractmethod
     def params(self) -> dict[str, Any]:
         """Constructor parameters (JSON types), recorded in the state so a resume under other settings fails."""
@@ -349,21 +357,70 @@ class FixedSchedule(IntervalPolicy):
         return {"beta": self.beta, "slow_roles": list(self.slow_roles)}
 
 
+#: How long FedLAMA keeps a cohort: "sync_period" (the paper: resampled every φτ' rounds, whatever the
+#: intervals) or "while_relaxed" (kept for φτ' rounds only while some tensor has the long interval;
+#: resampled every τ' rounds while every tensor syncs every τ', e.g. during the warm-up).
+HOLD_COHORT = ("sync_period", "while_relaxed")
+#: Which tensors FedLAMA never relaxes beyond the kernels-only rule: "none" (the paper and its code) or
+#: "head_and_first" (every tensor of the head and of the first layer with a kernel stay at τ').
+PROTECT = ("none", "head_and_first")
+
+
+def protected_modules(tensors: Sequence[TensorSpec], protect: str) -> frozenset[str]:
+    """The modules ``protect`` keeps at τ': the head's and the first kernel's (``conv1`` for ``conv1.atoms``).
+
+    Under label skew the head and the first layer are the most discrepant tensors and among the
+    smallest, so relaxing them saves few bytes and lets each client drift towards its own classes;
+    Algorithm 2 still relaxes them whenever their d_l happens to sit below the crossing (e.g. once
+    local models fit their data and every d_l collapses together).
+    """
+    if protect not in PROTECT:
+        raise ValueError(f"protect must be one of {', '.join(PROTECT)}, got {protect!r}")
+    if protect == "none":
+        return frozenset()
+    out = {_module(t.name) for t in tensors if t.role == "head"}
+    first = next((t for t in tensors if is_relaxable(t) and t.role != "head"), None)
+    if first is not None:
+        out.add(_module(first.name))
+    return frozenset(out)
+
+
+def _module(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
 class FedLAMA(IntervalPolicy):
     """Layer-wise adaptive intervals: tensors whose d_l is small travel every φτ' rounds, the rest every τ'.
 
     d_l is stored whenever a tensor is aggregated; at rounds that are multiples of φτ' (every tensor has
     just synced, so all d_l are fresh) and past ``warmup_rounds``, intervals are re-decided from scratch.
+    ``hold_cohort`` (:data:`HOLD_COHORT`) says whether a cohort is kept for φτ' rounds even while
+    nothing is relaxed; the defaults are the paper's literal algorithm.
     """
 
     name = "fedlama"
 
-    def __init__(self, tensors: Sequence[TensorSpec], tau_base: int = 1, phi: int = 2, warmup_rounds: int = 0) -> None:
+    def __init__(
+        self,
+        tensors: Sequence[TensorSpec],
+        tau_base: int = 1,
+        phi: int = 2,
+        warmup_rounds: int = 0,
+        hold_cohort: str = "sync_period",
+        protect: str = "none",
+    ) -> None:
         super().__init__(tensors)
         self.tau_base = _int_param("tau_base", tau_base, 1)
         self.phi = _int_param("phi", phi, 1)
         self.warmup_rounds = _int_param("warmup_rounds", warmup_rounds, 0)
-        self.relaxable: tuple[str, ...] = tuple(t.name for t in self.tensors if is_relaxable(t))
+        if hold_cohort not in HOLD_COHORT:
+            raise ValueError(f"hold_cohort must be one of {', '.join(HOLD_COHORT)}, got {hold_cohort!r}")
+        self.hold_cohort = hold_cohort
+        self.protect = protect
+        kept = protected_modules(self.tensors, protect)
+        self.relaxable: tuple[str, ...] = tuple(
+            t.name for t in self.tensors if is_relaxable(t) and _module(t.name) not in kept
+        )
         self._dims = {t.name: t.numel for t in self.tensors}
         self._d: dict[str, float] = {}
         self._intervals = dict.fromkeys(self.names, self.tau_base)
@@ -373,8 +430,25 @@ class FedLAMA(IntervalPolicy):
         # The two intervals τ' and φτ' both divide φτ': FedLAMA's full-sync (and cohort) period.
         return self.phi * self.tau_base
 
+    @property
+    def cohort_period(self) -> int:
+        """φτ' under ``sync_period``; under ``while_relaxed`` the lcm of the intervals in force.
+
+        Intervals change only at multiples of φτ', so a cohort drawn at a round that follows an
+        adjustment is kept exactly as long as its relaxed tensors continue locally.
+        """
+        if self.hold_cohort == "sync_period":
+            return self.sync_period
+        return math.lcm(*self._intervals.values()) if self._intervals else self.tau_base
+
     def params(self) -> dict[str, Any]:
-        return {"tau_base": self.tau_base, "phi": self.phi, "warmup_rounds": self.warmup_rounds}
+        params: dict[str, Any] = {"tau_base": self.tau_base, "phi": self.phi, "warmup_rounds": self.warmup_rounds}
+        # states saved before these switches existed resume unchanged under the paper's values
+        if self.hold_cohort != "sync_period":
+            params["hold_cohort"] = self.hold_cohort
+        if self.protect != "none":
+            params["protect"] = self.protect
+        return params
 
     @property
     def observed(self) -> dict[str, float]:

@@ -167,7 +167,7 @@ class Federation:
         """Decide round ``round_``: its cohort (kept within a sync period) and the tensors due."""
         if self._plan is not None:
             raise RuntimeError(f"round {self._plan.round} is still open")
-        period = self.policy.sync_period
+        period = self.policy.cohort_period
         new_period = self.sampler.starts_period(round_, period) or not self.cohort
         if new_period:
             self.cohort = self.sampler.sample(round_, candidates)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_runs", "run_label"]
+__all__ = ["plot_accuracy_vs_bytes", "plot_runs", "run_label"]
 
 
 def run_label(results: dict[str, Any], fallback: str) -> str:
@@ -70,6 +70,37 @@ def plot_runs(paths: Sequence[str | Path], output: str | Path) -> Path:
     ax_int.set_yticks(range(len(names)), names, fontsize=6)
     ax_int.set_xticks(range(len(first["rounds"])), [str(r["round"]) for r in first["rounds"]], fontsize=6)
     fig.colorbar(image, ax=ax_int, label="interval (rounds)")
+    output = Path(output)
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return output
+
+
+def plot_accuracy_vs_bytes(
+    curves: dict[str, tuple[Sequence[float], Sequence[float]]],
+    target: float | None,
+    output: str | Path,
+    title: str = "",
+) -> Path:
+    """Test accuracy against cumulative bytes moved (down + up), one line per run: the papers' figure.
+
+    ``curves`` maps a label to (cumulative bytes per round, accuracy per round); ``target`` draws
+    the accuracy to reach as a horizontal line.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5), constrained_layout=True)
+    for label, (moved, accuracy) in curves.items():
+        ax.plot([b / 1e6 for b in moved], accuracy, marker=".", markersize=3, label=label)
+    if target is not None:
+        ax.axhline(target, color="black", linestyle=":", linewidth=1, label=f"target {target:.3f}")
+    ax.set(title=title or "accuracy against bytes", xlabel="cumulative bytes moved (MB, down + up)")
+    ax.set(ylabel="global test accuracy", xscale="log", ylim=(0, 1))
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
     output = Path(output)
     fig.savefig(output, dpi=110)
     plt.close(fig)

@@ -145,7 +145,9 @@ def test_partial_fetch_moves_only_changed_tensors():
     In round 1 each cohort member downloads the whole model to train, then, once the round
     closed, only the tensors that round aggregated (to evaluate the new model).
     """
-    config = SimulationConfig(**{**SMALL, "rounds": 3}, factorization="atoms", interval_policy="fixed", beta=0.5)
+    config = SimulationConfig(
+        **{**SMALL, "rounds": 3}, factorization="atoms", interval_policy="fixed", beta=0.5, cohort="period"
+    )
     results = run_simulation(config)
     first, second = results["rounds"][0], results["rounds"][1]
     cohort = first["cohort_size"]

@@ -136,7 +136,17 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--beta", type=float, help="fixed policy: coefficients every 1/β rounds")
     g.add_argument("--tau", type=int, help="FedLAMA base interval τ' in rounds")
     g.add_argument("--phi", type=int, help="FedLAMA interval factor φ")
-    g.add_argument("--warmup-rounds", type=int, help="FedLAMA: no interval adjustment at or before this round")
+    g.add_argument("--warmup-rounds", type=int, help="FedLAMA: no interval adjustment at or before this round [6]")
+    g.add_argument(
+        "--hold-cohort",
+        choices=["while_relaxed", "sync_period"],
+        help="FedLAMA: keep a cohort for φτ' rounds only while a tensor is relaxed, or always (the paper)",
+    )
+    g.add_argument(
+        "--lama-protect",
+        choices=["head_and_first", "none"],
+        help="FedLAMA: never relax the head and the first layer (default), or relax any kernel (the paper)",
+    )
     g.add_argument("--tiers", type=_tiers, help="capability tiers assigned round-robin, e.g. 1,0.5,0.25,0.125")
     g.add_argument("--personal-atoms", action="store_true", default=None, help="keep personal atoms per client")
     g.add_argument("--personal-epochs", type=int, help="personal atoms', Ditto's and FT's epochs (default: local)")

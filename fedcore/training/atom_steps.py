@@ -13,8 +13,9 @@ does. One learning rate for every parameter therefore makes the atoms' path seve
 faster than a plain conv, and a plain conv's stable rate diverges. ``scaled`` divides the
 atoms' rate by ``max(1, ‖A‖₂²)`` and the coefficients' by ``max(1, ‖D‖₂²)``, recomputed before
 every step: each path then moves ``W`` no further than plain SGD, so the product moves at most
-twice as far at the same ``η``. ``shared`` keeps the papers' single rate. docs/methods.md has
-the derivation.
+twice as far at the same ``η``. FedHM's factor pairs ``W = U V`` obey the same algebra
+(``ΔW = −η (G VᵀV + U Uᵀ G)``): ``scaled`` divides ``U``'s rate by ``max(1, ‖V‖₂²)`` and ``V``'s
+by ``max(1, ‖U‖₂²)``. ``shared`` keeps the papers' single rate. docs/methods.md has the derivation.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from fedcore.layers import AtomConv2d
+from fedcore.layers import AtomConv2d, LowRankConv2d, LowRankLinear
 
 __all__ = ["ATOM_LR_RULES", "AtomSteps"]
 
@@ -48,12 +49,17 @@ class AtomSteps:
             raise ValueError(f"atom_lr must be one of {', '.join(ATOM_LR_RULES)}, got {rule!r}")
         self.lr = lr
         taken: set[str] = set()
-        scaled: list[tuple[AtomConv2d, str, list[nn.Parameter]]] = []  # (layer, which factor, its parameters)
+        scaled: list[tuple[nn.Module, str, list[nn.Parameter]]] = []  # (layer, which factor, its parameters)
         if rule == "scaled":
             for path, layer in model.named_modules():
+                prefix = f"{path}." if path else ""
+                if isinstance(layer, LowRankConv2d | LowRankLinear):
+                    for factor in ("lowrank_u", "lowrank_v"):
+                        scaled.append((layer, factor, [params[n] for n in (prefix + factor,) if n in params]))
+                        taken.add(prefix + factor)
+                    continue
                 if not isinstance(layer, AtomConv2d):
                     continue
-                prefix = f"{path}." if path else ""
                 atoms = [params[n] for n in (f"{prefix}atoms",) if n in params]
                 coefficients = [params[n] for n in (prefix + c for c in _COEFFICIENTS) if n in params]
                 scaled += [(layer, "atoms", atoms), (layer, "coefficients", coefficients)]
@@ -69,7 +75,11 @@ class AtomSteps:
         """Set each atom layer's rates from its current factors (before every optimizer step)."""
         with torch.no_grad():
             for index, layer, factor in self._scaled:
-                if factor == "atoms":  # moves W by A·ΔD: bounded by the coefficients' top singular value
+                if factor == "lowrank_u":  # moves W by ΔU·V
+                    other = layer.lowrank_v
+                elif factor == "lowrank_v":  # moves W by U·ΔV
+                    other = layer.lowrank_u
+                elif factor == "atoms":  # moves W by A·ΔD: bounded by the coefficients' top singular value
                     other = layer.coefficient_tensor().reshape(-1, layer.num_atoms)
                 else:  # moves W by Δα·D: bounded by the atoms' top singular value
                     other = layer.atoms.reshape(layer.num_atoms, -1)

@@ -83,3 +83,31 @@ def test_parameters_outside_atom_layers_keep_the_base_rate() -> None:
 def test_an_unknown_rule_is_refused() -> None:
     with pytest.raises(ValueError, match="atom_lr"):
         TrainConfig(atom_lr="adaptive")
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_fedhm_factor_pairs_get_the_other_factors_energy_as_divisor(layer: str) -> None:
+    """U's rate is η / max(1, ‖V‖₂²), V's η / max(1, ‖U‖₂²); ``shared`` leaves both at η (hand-set factors)."""
+    from fedcore.layers import LowRankConv2d, LowRankLinear
+
+    module = LowRankLinear(6, 4, 2) if layer == "linear" else LowRankConv2d(3, 4, 3, 2, padding=1)
+    with torch.no_grad():
+        module.lowrank_u.zero_()
+        module.lowrank_v.zero_()
+        module.lowrank_u[0, 0], module.lowrank_u[1, 1] = 2.0, 0.5  # ‖U‖₂² = 4
+        module.lowrank_v[0, 0], module.lowrank_v[1, 2] = 0.1, 3.0  # ‖V‖₂² = 9
+    model = _Wrap(module)
+    params = dict(model.named_parameters())
+    for rule, expected in (("scaled", {"u": 0.1 / 9, "v": 0.1 / 4}), ("shared", {"u": 0.1, "v": 0.1})):
+        steps = AtomSteps(model, params, 0.1, rule)
+        optimizer = torch.optim.SGD(steps.param_groups, lr=0.1)
+        steps.rescale(optimizer)
+        rate = {
+            factor: next(
+                g["lr"]
+                for g in optimizer.param_groups
+                if any(p is params[f"conv.lowrank_{factor}"] for p in g["params"])
+            )
+            for factor in ("u", "v")
+        }
+        assert rate == pytest.approx(expected), rule

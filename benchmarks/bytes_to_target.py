@@ -1,0 +1,239 @@
+"""Bytes to FedAvg's accuracy: does the composition (atoms, tiers, FedLAMA, fp16) pay off?
+
+For one dataset and split, runs plain FedAvg and each configuration below over several seeds,
+in process (:func:`fedatoms.simulate.run_simulation`). Per seed, FedAvg's mean-of-last-5 test
+accuracy is the target; for every configuration the table shows the first round whose global
+test accuracy reaches it, the bytes moved up to and including that round (``cumulative_bytes_up``
++ ``cumulative_bytes_down`` of that round's record: the one byte ledger,
+:class:`aggregator_service.metrics.BandwidthLedger`) and FedAvg's bytes to its own first round at
+the target divided by those (× fewer bytes; "never" when the run did not get there). It also
+prints each configuration's mean-of-last-5 accuracy and writes a plot of accuracy against
+cumulative bytes (mean over seeds).
+
+Configurations (``--configs`` picks a subset):
+
+- ``fedavg``: factorization none, every tensor every round;
+- ``atoms``; ``atoms+lama2`` / ``atoms+lama4``: with FedLAMA at φ = 2 / 4 (τ' = 1);
+- ``atoms-lowrank``: tiers 1, ½, ¼, ⅛ round-robin over the clients;
+- ``stack``: atoms-lowrank + tiers + FedLAMA (φ = ``--stack-phi``) + fp16 on the wire;
+- ``fedhm-1/8`` / ``fedhm-1``: FedHM (lowrank) with every client at tier ⅛ / at tier 1.
+
+Defaults: the bundled digits, 20 clients × 2 classes (shards), half of them per round, E = 2,
+batch 10, lr 0.01 with momentum 0.9 (where ``benchmarks/lr_sweep.py`` finds none and atoms
+learning on digits), 40 rounds, 3 seeds. ``--set KEY=VALUE`` applies a config key to every run
+(e.g. ``--set fedlama_warmup=0`` for the paper's literal FedLAMA); ``--jobs`` runs that many
+simulations in parallel processes (one torch thread each).
+
+    OMP_NUM_THREADS=1 nice python benchmarks/bytes_to_target.py
+    python benchmarks/bytes_to_target.py --rounds 30 --seeds 2 --configs fedavg,atoms+lama4
+    python benchmarks/bytes_to_target.py --dataset mnist --data-dir DIR --clients 100 --fraction 0.1 --rounds 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ALL_TIERS = [1.0, 0.5, 0.25, 0.125]
+
+#: configuration name → SimulationConfig keys beyond the shared ones
+CONFIGS: dict[str, dict[str, Any]] = {
+    "fedavg": {"factorization": "none"},
+    "atoms": {"factorization": "atoms"},
+    "atoms+lama2": {"factorization": "atoms", "interval_policy": "fedlama", "phi": 2},
+    "atoms+lama4": {"factorization": "atoms", "interval_policy": "fedlama", "phi": 4},
+    "atoms-lowrank": {"factorization": "atoms-lowrank", "tiers": ALL_TIERS},
+    "stack": {"factorization": "atoms-lowrank", "tiers": ALL_TIERS, "interval_policy": "fedlama", "fp16": True},
+    "fedhm-1/8": {"factorization": "lowrank", "tiers": [0.125]},
+    "fedhm-1": {"factorization": "lowrank", "tiers": [1.0]},
+}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One run, reduced to what the table and the plot need."""
+
+    accuracy: list[float]
+    cumulative_bytes: list[int]  # up + down, through each round (the ledger's figures)
+    seconds: float
+
+    @property
+    def last5(self) -> float:
+        return statistics.fmean(self.accuracy[-5:])
+
+    def reach(self, target: float) -> tuple[int, int] | None:
+        """The first round (1-based) whose accuracy is at least ``target``, and the bytes through it."""
+        for i, acc in enumerate(self.accuracy):
+            if acc >= target:
+                return i + 1, self.cumulative_bytes[i]
+        return None
+
+
+def _parse_value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return text
+
+
+def _run(job: tuple[str, int, dict[str, Any]]) -> tuple[str, int, Outcome]:
+    """One simulation; a run whose training turns non-finite counts its rounds so far and 0 accuracy after."""
+    from fedatoms.simulate import SimulationConfig, run_simulation
+    from fedcore.codec import CodecError
+
+    name, seed, keys = job
+    started = time.perf_counter()
+    rounds: list[dict[str, Any]] = []
+    diverged = False
+    try:
+        run_simulation(SimulationConfig(**keys, seed=seed), progress=rounds.append)
+    except CodecError as exc:
+        if exc.kind != "nonfinite":
+            raise
+        diverged = True
+    accuracy = [r["test_accuracy"] for r in rounds]
+    moved = [r["cumulative_bytes_up"] + r["cumulative_bytes_down"] for r in rounds]
+    missing = keys["rounds"] - len(rounds)
+    outcome = Outcome(
+        accuracy + [0.0] * missing, moved + [moved[-1] if moved else 0] * missing, time.perf_counter() - started
+    )
+    if diverged:
+        print(f"  {name} seed {seed}: non-finite tensors after round {len(rounds)}", file=sys.stderr, flush=True)
+    return name, seed, outcome
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", default="digits", help="digits (bundled), mnist, fashion-mnist, cifar10, cifar100")
+    p.add_argument("--data-dir", help="where torchvision datasets live (mnist, cifar10, …)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=", ".join(CONFIGS))
+    p.add_argument("--clients", type=int, default=20)
+    p.add_argument("--fraction", type=float, default=0.5)
+    p.add_argument("--classes-per-client", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=40)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--local-epochs", type=int, default=2)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--stack-phi", type=int, default=2, help="FedLAMA's φ in the full stack [2]")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config key for every run")
+    p.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes [1]")
+    p.add_argument("--plot", default="bytes_to_target.png", help="accuracy against cumulative bytes (PNG)")
+    args = p.parse_args(argv)
+
+    names = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in names if c not in CONFIGS]
+    if unknown:
+        p.error(f"unknown configurations {unknown}; choose among {', '.join(CONFIGS)}")
+    if "fedavg" not in names:
+        names.insert(0, "fedavg")  # the target and the byte baseline
+    shared: dict[str, Any] = {
+        "dataset": args.dataset,
+        "data_dir": args.data_dir,
+        "clients": args.clients,
+        "fraction": args.fraction,
+        "classes_per_client": args.classes_per_client,
+        "rounds": args.rounds,
+        "local_epochs": args.local_epochs,
+        "lr": args.lr,
+        "momentum": args.momentum,
+        "threads": 1,
+    }
+    extra: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            p.error(f"--set takes KEY=VALUE, got {item!r}")
+        extra[key.replace("-", "_")] = _parse_value(value)
+    jobs = []
+    for name in names:
+        keys = {**shared, **CONFIGS[name]}
+        if name == "stack":
+            keys["phi"] = args.stack_phi
+        if name != "fedavg":  # plain FedAvg stays the papers' baseline whatever the rules under test
+            keys.update(extra)
+        for seed in range(args.seeds):
+            jobs.append((name, seed, keys))
+
+    print(
+        f"{args.dataset}: {args.clients} clients × {args.classes_per_client} classes, fraction {args.fraction:g}, "
+        f"E = {args.local_epochs}, lr {args.lr:g}, momentum {args.momentum:g}, batch 10, {args.rounds} rounds, "
+        f"{args.seeds} seeds, {len(jobs)} runs, {args.jobs} at a time"
+        + (f"; set {', '.join(f'{k}={v}' for k, v in extra.items())}" if extra else ""),
+        flush=True,
+    )
+    results: dict[tuple[str, int], Outcome] = {}
+    started = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for name, seed, outcome in pool.map(_run, jobs) if args.jobs > 1 else map(_run, jobs):
+            results[(name, seed)] = outcome
+            print(
+                f"  [{len(results)}/{len(jobs)}, {time.perf_counter() - started:.0f} s] {name} seed {seed}: "
+                f"last-5 {outcome.last5:.3f}, {_fmt_bytes(outcome.cumulative_bytes[-1])} ({outcome.seconds:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    seeds = range(args.seeds)
+    targets = {s: results[("fedavg", s)].last5 for s in seeds}
+    baseline = {s: results[("fedavg", s)].reach(targets[s]) for s in seeds}
+    print(f"\ntarget per seed (FedAvg's mean of the last 5 rounds): {', '.join(f'{targets[s]:.3f}' for s in seeds)}")
+    print("per seed: first round at the target / bytes through it / FedAvg's bytes to its target ÷ those\n")
+    header = f"{'configuration':<15} {'last-5 acc':>10} | " + " | ".join(f"{'seed ' + str(s):^30}" for s in seeds)
+    print(header + f" | {'mean ×':>7}")
+    print("-" * len(header) + "-" * 10)
+    for name in names:
+        cells, ratios = [], []
+        for s in seeds:
+            hit = results[(name, s)].reach(targets[s])
+            base = baseline[s]
+            if hit is None or base is None:
+                cells.append(f"{'never':^30}")
+                ratios.append(math.nan)
+                continue
+            ratio = base[1] / hit[1]
+            ratios.append(ratio)
+            cells.append(f"r{hit[0]:>3} {_fmt_bytes(hit[1]):>10} {ratio:>6.2f}× fewer")
+        last5 = statistics.fmean(results[(name, s)].last5 for s in seeds)
+        finite = [r for r in ratios if not math.isnan(r)]
+        mean = f"{math.exp(statistics.fmean(math.log(r) for r in finite)):.2f}×" if len(finite) == len(ratios) else "—"
+        print(f"{name:<15} {last5:>10.3f} | " + " | ".join(cells) + f" | {mean:>7}")
+    print("\nmean × is the geometric mean over seeds, shown only where every seed reached the target")
+    print(f"({time.perf_counter() - started:.0f} s)")
+
+    from fedatoms.plots import plot_accuracy_vs_bytes
+
+    curves = {
+        name: (
+            [statistics.fmean(results[(name, s)].cumulative_bytes[i] for s in seeds) for i in range(args.rounds)],
+            [statistics.fmean(results[(name, s)].accuracy[i] for s in seeds) for i in range(args.rounds)],
+        )
+        for name in names
+    }
+    out = plot_accuracy_vs_bytes(
+        curves,
+        statistics.fmean(targets.values()),
+        Path(args.plot),
+        title=f"{args.dataset}, {args.clients} clients × {args.classes_per_client} classes, mean of {args.seeds} seeds",
+    )
+    print(f"plot: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
