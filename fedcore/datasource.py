@@ -19,9 +19,7 @@ Nothing is decoded here: images are read one batch at a time when training itera
 
 from __future__ import annotations
 
-import importlib
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from torch.utils.data import Dataset, Subset
 
 from fedcore.data import DATASETS, labels_of, load_dataset
 from fedcore.model_input import Normalization, fit_to_model
+from fedcore.reference import import_attribute
 
 __all__ = ["HOLDOUT_FRACTION", "DataSourceError", "describe", "evaluation_set", "open_data"]
 
@@ -158,16 +157,10 @@ def _holdout(data: Any) -> tuple[Dataset, Dataset]:
 
 def _call_reference(text: str) -> tuple[Dataset, Dataset | None]:
     module_name, _, attr = text.partition(":")
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, "")  # `my_pkg.data:load` names a module beside the user, as uvicorn and flwr read it
     try:
-        target: Any = importlib.import_module(module_name)
-    except Exception as exc:
-        raise DataSourceError(f"{text}: cannot import {module_name!r} ({type(exc).__name__}: {exc})") from None
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise DataSourceError(f"{text}: module {module_name!r} has no {attr!r}")
-        target = getattr(target, part)
+        target = import_attribute(module_name, attr, text)
+    except ValueError as exc:
+        raise DataSourceError(str(exc)) from None
     if not callable(target):
         raise DataSourceError(f"{text}: {attr!r} is not callable (it should return (train, test) Datasets)")
     try:

@@ -13,14 +13,25 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from fedcore.models import MODELS
 
-__all__ = ["build_reference", "canonical", "is_zoo", "reference_module", "resolve"]
+__all__ = [
+    "build_reference",
+    "canonical",
+    "import_attribute",
+    "is_reference",
+    "is_zoo",
+    "parse_reference",
+    "reference_module",
+    "resolve",
+]
 
 _DOTTED = r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*"
 _REFERENCE = re.compile(rf"^({_DOTTED}):({_DOTTED})$")
@@ -30,17 +41,47 @@ def is_zoo(model: str) -> bool:
     return model in MODELS
 
 
+def parse_reference(text: str) -> tuple[str, str] | None:
+    """``(module, attribute)`` of ``package.module:attribute``; None for any other text."""
+    match = _REFERENCE.match(text)
+    return None if match is None else (match.group(1), match.group(2))
+
+
+def is_reference(text: str) -> bool:
+    return parse_reference(text) is not None
+
+
+def import_attribute(module_name: str, attr: str, label: str) -> Any:
+    """Import ``module_name`` and return its (dotted) ``attr``; a ``ValueError`` starting with ``label`` otherwise.
+
+    The user's working directory is importable, as uvicorn and flwr read ``my_pkg.mod:thing``:
+    a model, dataset or strategy usually lives beside the user, not in site-packages.
+    """
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:  # a user's module may fail in any way at import; say which
+        raise ValueError(f"{label}: cannot import {module_name!r} ({type(exc).__name__}: {exc})") from None
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ValueError(f"{label}: module {module_name!r} has no attribute {attr!r}") from None
+    return target
+
+
 def _parse(model: str) -> tuple[str, str]:
     if is_zoo(model):
         module, _, attr = MODELS[model].reference.partition(":")
         return module, attr
-    match = _REFERENCE.match(model)
-    if match is None:
+    parsed = parse_reference(model)
+    if parsed is None:
         raise ValueError(
             f"unknown model {model!r}: give a zoo name ({', '.join(MODELS)}) or an import reference "
             "'package.module:callable', e.g. 'torchvision.models:resnet18'"
         )
-    return match.group(1), match.group(2)
+    return parsed
 
 
 def canonical(model: str) -> str:
@@ -57,15 +98,7 @@ def reference_module(model: str) -> str:
 def resolve(model: str) -> Any:
     """Import the reference's module and return its attribute (the model's builder)."""
     module_name, attr = _parse(model)
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"model {model!r}: cannot import {module_name!r} ({exc})") from exc
-    for part in attr.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ValueError(f"model {model!r}: module {module_name!r} has no attribute {attr!r}") from None
+    target = import_attribute(module_name, attr, f"model {model!r}")
     if not callable(target):
         raise ValueError(
             f"model {model!r}: {attr!r} is not callable; name a class or a function returning an nn.Module"

@@ -10,26 +10,19 @@ __all__ = ["add_parser", "load_image"]
 
 
 def load_image(path: Path, input_shape: tuple[int, ...], normalization: dict[str, Any] | None) -> Any:
-    """One image as the model's input: resized to its H×W, its channel count, scaled to [0, 1], normalized."""
-    import numpy as np
-    import torch
+    """One image as the model's input, through the same transform a client's images take (channels,
+    resize to H×W, [0, 1], the federation's normalization if the file carries one)."""
     from PIL import Image, UnidentifiedImageError
 
-    channels, height, width = input_shape
+    from fedcore.model_input import Normalization, image_transform
+
+    given = None if normalization is None else Normalization.from_dict(normalization)
     try:
         with Image.open(path) as image:
-            image = image.convert("L" if channels == 1 else "RGB").resize((width, height), Image.BILINEAR)
-            array = np.asarray(image, dtype=np.float32) / 255.0
+            image.load()
+            return image_transform(input_shape, given)(image)
     except (OSError, UnidentifiedImageError) as exc:
         raise ValueError(f"{path}: not an image ({exc})") from None
-    x = torch.from_numpy(array).reshape(height, width, -1).permute(2, 0, 1)
-    if x.shape[0] != channels:
-        raise ValueError(f"{path}: the model takes {channels} channels")
-    if normalization is not None:
-        mean = torch.tensor(normalization["mean"], dtype=torch.float32).reshape(-1, 1, 1)
-        std = torch.tensor(normalization["std"], dtype=torch.float32).reshape(-1, 1, 1)
-        x = (x - mean) / std
-    return x
 
 
 def cmd_predict(args: argparse.Namespace) -> int:

@@ -145,7 +145,7 @@ def aggregator(tmp_path_factory):
         ("{tmp}/nowhere", "is not a directory, not a bundled dataset"),
         ("{tmp}/empty", "no class subfolders"),
         ("no_such_pkg.data:load", "cannot import 'no_such_pkg.data'"),
-        ("data_refs:missing", "has no 'missing'"),
+        ("data_refs:missing", "has no attribute 'missing'"),
         ("data_refs:not_a_pair", "not a (train, test) pair"),
         ("digits", "give --partition-index"),
     ],

@@ -125,7 +125,7 @@ def test_streamed_training_equals_in_memory_training() -> None:
     [
         ("/no/such/dir", "is not a directory, not a bundled dataset"),
         ("no_such_module_xyz:load", "cannot import 'no_such_module_xyz'"),
-        ("json:no_such_function", "module 'json' has no 'no_such_function'"),
+        ("json:no_such_function", "module 'json' has no attribute 'no_such_function'"),
         ("json:__doc__", "is not callable"),
         ("json:dumps", "the call failed"),
         ("os:getcwd", "not a (train, test) pair"),
