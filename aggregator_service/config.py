@@ -316,6 +316,10 @@ class AggregatorSettings(TomlSettings):
     #: Several, not one: a device on a slow link holds its slot for the whole upload, and must not stall
     #: everyone else's; lower it to bound the aggregator's memory, raise it for many fast uploaders.
     max_concurrent_pushes: int = Field(default=8, ge=1)
+    #: Register calls served at once; as many more wait in line, and one beyond that is answered UNAVAILABLE
+    #: (clients retry). Registration is rare, and a flood of them (wrong secrets included) must not take the
+    #: threads that serve enrolled clients' heartbeats, task polls and pushes.
+    max_concurrent_registrations: int = Field(default=2, ge=1)
     #: Largest PushUpdate payload accepted; unset: 2 × the full model's float32 bytes.
     max_push_bytes: int | None = Field(default=None, gt=0)
     #: Largest sample count a client may declare at Register; a push may claim no more than its client

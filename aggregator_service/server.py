@@ -98,6 +98,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.coordinator = coordinator
         # pushes received at once: memory flat in the cohort (a push holds its update until it is stored)
         self._pushes = Gate(settings.max_concurrent_pushes, push_waiters)
+        # registrations at once, and as many waiting: a flood of them leaves every other worker to enrolled clients
+        n = settings.max_concurrent_registrations
+        self._registrations = Gate(n, n)
         self.settings = settings
         self.push_limit = settings.push_limit
         self.fp16 = settings.federation.fp16
@@ -133,6 +136,14 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
     @_rpc
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
+        if not self._registrations.enter():
+            raise Unavailable("the aggregator is busy registering other devices: retry the registration shortly")
+        try:
+            return self._register(request, context)
+        finally:
+            self._registrations.leave()
+
+    def _register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
         p = request.profile
         try:
             profile = CapabilityProfile(

@@ -8,8 +8,10 @@ lock. The ledger's flush writes what is pending (:meth:`Registry.drain_touches`)
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 
@@ -41,7 +43,13 @@ class Registry:
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
         self._lookup_token = TokenLookup(shared.factory.kw["bind"])
-        self._accepted_secrets: set[str] = set()
+        # (stored PBKDF2 hash, SHA-256 of the one secret it accepts): once known, a wrong secret is refused
+        # by a constant-time compare of digests instead of a deliberately slow PBKDF2 run
+        self._secret: tuple[str, bytes] | None = None
+        self._secret_lock = threading.Lock()
+        self._tried_configured: str | None = None  # the stored hash the configured secret was tried against
+        self._refusals = 0  # wrong secrets not yet logged: a flood is logged as counts, not line by line
+        self._refusals_logged = float("-inf")
         self._touched: dict[str, datetime] = {}
         self.touch_every = timedelta(seconds=min(5.0, shared.settings.heartbeat_timeout_seconds / 4))
         self._lock = threading.Lock()
@@ -85,15 +93,53 @@ class Registry:
         return Registration(client.id, token, tier, shared.federation.tier_spec(tier).to_json())
 
     def _check_secret(self, secret: str) -> None:
-        digest = hashlib.sha256(secret.encode()).hexdigest()
-        if digest in self._accepted_secrets:
-            return
-        if not store.check_enrollment_secret(self.shared.fed_row, secret):
-            log.warning(kv("register_refused", reason="wrong_enrollment_secret"))
+        """Refuse a wrong secret before any database work; PBKDF2 runs only until the right secret is known."""
+        digest = hashlib.sha256(secret.encode()).digest()
+        stored = self.shared.fed_row.enrollment_secret_hash
+        known = self._known_secret(stored)
+        if known is not None:
+            ok = bool(secret) and hmac.compare_digest(digest, known)
+        else:  # the configured secret is not the stored one: verify slowly until a right one is seen
+            ok = store.check_enrollment_secret(self.shared.fed_row, secret)
+            if ok:
+                self._secret = (stored, digest)
+        if not ok:
+            self._log_refusal()
             raise Unauthenticated(
                 "wrong enrollment secret: ask the operator of this federation for its current enrollment secret"
             )
-        self._accepted_secrets.add(digest)  # PBKDF2 is slow on purpose: verify each secret once per process
+
+    def _known_secret(self, stored: str) -> bytes | None:
+        """SHA-256 of the secret ``stored`` accepts, learnt from the configured secret (one PBKDF2 run per hash)."""
+        known = self._secret
+        if known is not None and known[0] == stored:
+            return known[1]
+        with self._secret_lock:
+            if self._tried_configured != stored:
+                self._tried_configured = stored
+                configured = self.shared.settings.enrollment_secret
+                if store.check_enrollment_secret(self.shared.fed_row, configured):
+                    self._secret = (stored, hashlib.sha256(configured.encode()).digest())
+                else:
+                    log.warning(
+                        kv(
+                            "enrollment_secret_mismatch",
+                            hint="the configured enrollment_secret is not the one this federation was created "
+                            "with; the federation's own secret stays in force",
+                        )
+                    )
+        known = self._secret
+        return known[1] if known is not None and known[0] == stored else None
+
+    def _log_refusal(self, every: float = 10.0) -> None:
+        """Log wrong secrets at most once per ``every`` seconds, with how many there were."""
+        with self._secret_lock:
+            self._refusals += 1
+            now = time.monotonic()
+            if now - self._refusals_logged < every:
+                return
+            count, self._refusals, self._refusals_logged = self._refusals, 0, now
+        log.warning(kv("register_refused", reason="wrong_enrollment_secret", count=count))
 
     def authenticate(self, token: str, cert_sha256: str | None = None) -> ClientInfo:
         """The client holding ``token``; refreshes its last-seen time (at most every few seconds).
