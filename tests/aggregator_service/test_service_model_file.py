@@ -6,11 +6,12 @@ default allow-list does not name ``user_models``, and the module (which records 
 importing it) must not have been imported by the client. Allowed, it trains two rounds; the
 exported file, loaded by ``fedatoms.load_model``, must score on the server's test set exactly
 what the server's own evaluation of that round stored, and ``fedatoms predict`` must print
-the classes the loaded model gives.
+the classes the loaded model gives. Once on PostgreSQL: the export reads the same rows there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -19,10 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from grpc_helpers import SECRET
+from grpc_helpers import SECRET, Service, start_aggregator
 from PIL import Image
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from support import postgres_base, postgres_schema
 
 from aggregator_service import store
 from aggregator_service.config import FederationConfig
@@ -56,9 +58,23 @@ def server_accuracy(url: str, round_: int) -> float:
     return float(value)
 
 
-@pytest.mark.parametrize("factorization", ["atoms", "none"])
-def test_allow_list_then_export_load_and_predict(factorization, tmp_path, start_service, capsys) -> None:
-    url = f"sqlite:///{tmp_path / 'agg.db'}"
+@pytest.mark.parametrize(("factorization", "backend"), [("atoms", "sqlite"), ("none", "sqlite"), ("atoms", "postgres")])
+def test_allow_list_then_export_load_and_predict(factorization, backend, tmp_path, capsys) -> None:
+    with contextlib.ExitStack() as stack:
+        if backend == "sqlite":
+            url = f"sqlite:///{tmp_path / 'agg.db'}"
+        else:
+            url = stack.enter_context(postgres_schema(postgres_base()))
+
+        def start_service(url: str, federation: FederationConfig, **settings: object) -> Service:
+            service = start_aggregator(url, federation, **settings)
+            stack.callback(service.stop)  # before the schema is dropped
+            return service
+
+        _federate_export_load_and_predict(url, factorization, tmp_path, start_service, capsys)
+
+
+def _federate_export_load_and_predict(url: str, factorization: str, tmp_path, start_service, capsys) -> None:
     config = FederationConfig(
         model="user_models:UserCNN",
         model_args={"num_classes": 10, "in_channels": 1, "width": 8},

@@ -8,6 +8,7 @@ is refused in one line, with exit 2, before anything is registered.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from image_folders import digits_images, write_folder
 from processes import ENV, ROOT, SECRET, Aggregator, wait_closed
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-from support import free_port
+from support import free_port, postgres_base, postgres_schema
 
 from aggregator_service import store
 from fedatoms.cli import main
@@ -130,13 +131,18 @@ def _registered(url: str) -> int:
         engine.dispose()
 
 
-@pytest.fixture(scope="module")
-def aggregator(tmp_path_factory):
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def aggregator(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("refusals")
     config = _config(tmp / "fed.toml", Path("digits"), model="digits-cnn", rounds=1)
-    server = Aggregator(config, free_port(), f"sqlite:///{tmp / 'agg.db'}", tmp / "server.log").start()
-    yield server
-    server.stop()
+    with contextlib.ExitStack() as stack:
+        if request.param == "sqlite":
+            url = f"sqlite:///{tmp / 'agg.db'}"
+        else:
+            url = stack.enter_context(postgres_schema(postgres_base()))
+        server = Aggregator(config, free_port(), url, tmp / "server.log").start()
+        stack.callback(server.stop)
+        yield server
 
 
 @pytest.mark.parametrize(
