@@ -1,10 +1,12 @@
 """The new strategies through whole federations: identities, the gRPC record, state that outlives the processes.
 
-FedDC carries the most state of all (clients: drift and control; server: control and mean
-drift), FedAdam the server optimizer's moments: both run once in process and once through a
-real aggregator (gRPC on a loopback port, a SQLite file) with real client agents. The records
-must agree, and what the database and the clients' state files hold must be what the in-process
-engine and clients ended with — the state a restarted aggregator or agent resumes from.
+Every registered strategy runs once in process and once through a real aggregator (gRPC on a
+loopback port, a SQLite file) with real client agents: 5 clients, 2 rounds, so that round 2
+starts from the state round 1 left (FedDC's drift and control on the clients and the server,
+SCAFFOLD's control variates, FedDyn's gradient correction, the server optimizers' moments,
+FedAvgM's momentum; FedTrimmedAvg cuts one client from each end). The records must agree, and
+what the database and the clients' state files hold must be what the in-process engine and
+clients ended with — the state a restarted aggregator or agent resumes from.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from aggregator_service import store
 from aggregator_service.config import FederationConfig
 from aggregator_service.coordinator.restore import _restore
+from aggregator_service.strategies import STRATEGIES
 from client_agent.state import ClientState
 from fedatoms import simulate
 from fedatoms.simulate import SimulationConfig, run_simulation
@@ -64,9 +67,32 @@ def _same(a: Any, b: Any, path: str) -> None:
         assert a == b, (path, a, b)
 
 
-@pytest.mark.parametrize(("strategy", "args"), [("feddc", {"alpha": 0.01}), ("fedadam", {"eta": 0.01})])
-def test_grpc_record_and_stored_state_equal_the_in_process_run(tmp_path: Path, strategy: str, args: dict) -> None:
-    config = dict(SMALL, strategy=strategy, strategy_args=args)
+#: The cheapest run that still carries state from one round into the next.
+OVER_GRPC = dict(SMALL, rounds=2)
+#: strategy → (its switches: the federation's own keys or ``strategy_args``, the per-client state groups an agent keeps)
+EVERY_STRATEGY: dict[str, tuple[dict[str, Any], set[str]]] = {
+    "fedavg": ({}, set()),
+    "fedprox": ({"mu": 0.01}, set()),
+    "scaffold": ({"global_lr": 1.0}, {"control"}),
+    "fedavgm": ({"strategy_args": {"server_momentum": 0.9}}, set()),
+    "fedadam": ({"strategy_args": {"eta": 0.01}}, set()),
+    "fedyogi": ({"strategy_args": {"eta": 0.01}}, set()),
+    "fedadagrad": ({"strategy_args": {"eta": 0.01}}, set()),
+    "fedmedian": ({}, set()),
+    "fedtrimmedavg": ({"strategy_args": {"beta": 0.2}}, set()),
+    "feddyn": ({"strategy_args": {"alpha": 0.01}}, {"gradient"}),
+    "feddc": ({"strategy_args": {"alpha": 0.01}}, {"drift", "control"}),
+}
+
+
+def test_every_registered_strategy_runs_over_grpc() -> None:
+    assert set(EVERY_STRATEGY) == set(STRATEGIES)
+
+
+@pytest.mark.parametrize("strategy", list(EVERY_STRATEGY))
+def test_grpc_record_and_stored_state_equal_the_in_process_run(tmp_path: Path, strategy: str) -> None:
+    switches, client_groups = EVERY_STRATEGY[strategy]
+    config = dict(OVER_GRPC, strategy=strategy, **switches)
     inprocess, engine = engine_after(SimulationConfig(**config))
     url = f"sqlite:///{tmp_path / 'aggregator.db'}"
     clients = tmp_path / "clients"
@@ -79,7 +105,7 @@ def test_grpc_record_and_stored_state_equal_the_in_process_run(tmp_path: Path, s
 
     # the aggregator a restart would build: the stored strategy state is the in-process engine's, bit for bit
     restarted = FederationConfig(**{k: v for k, v in config.items() if k in FederationConfig.__dataclass_fields__})
-    fed = restarted.build_federation(num_clients_total=5)
+    fed = restarted.build_federation(num_clients_total=config["clients"])
     db = store.create_engine_for(url)
     try:
         with store.session_factory(db).begin() as s:
@@ -95,10 +121,9 @@ def test_grpc_record_and_stored_state_equal_the_in_process_run(tmp_path: Path, s
 
     # each agent's state file holds its per-client state, as an agent restarted from it would resume
     states = [ClientState.load(d) for d in sorted(clients.iterdir()) if (d / "state.safetensors").exists()]
-    assert len(states) == 5
+    assert len(states) == config["clients"]
     for state in states:
         assert state is not None
-        expected = {"drift", "control"} if strategy == "feddc" else set()
-        assert set(state.strategy_state) == expected
+        assert set(state.strategy_state) == client_groups
         for group in state.strategy_state.values():
             assert all(bool(torch.isfinite(t).all()) for t in group.values())
