@@ -78,6 +78,9 @@ class FederationConfig:
     weighting: str = "samples"
     temperature: float = math.inf
     keep_local_buffers: bool = False
+    #: BatchNorm statistics: "precise" (clients recompute them for their trained weights, the server pools
+    #: the variance over their data) or "running" (PyTorch's running averages, averaged as they are)
+    bn_statistics: str = FEDERATION_TRAINING.bn_statistics
     frobenius_decay: float = FEDERATION_TRAINING.frobenius_decay
     interval_policy: str = "every_round"
     beta: float = 0.2
@@ -216,6 +219,7 @@ class FederationConfig:
             "weighting": self.weighting,
             "temperature": self.temperature,
             "keep_local_buffers": self.keep_local_buffers,
+            "bn_statistics": self.bn_statistics,
             "num_clients_total": num_clients_total,
             "spec": self.spec,
         }

@@ -28,8 +28,9 @@ class FedAdagrad(FedOpt):
         weighting: str = "samples",
         temperature: float = math.inf,
         keep_local_buffers: bool = False,
+        bn_statistics: str = "precise",
     ) -> None:
-        super().__init__(eta, beta_1, 1.0, tau, weighting, temperature, keep_local_buffers)
+        super().__init__(eta, beta_1, 1.0, tau, weighting, temperature, keep_local_buffers, bn_statistics)
 
     def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
         return v + delta_sq

@@ -21,11 +21,13 @@ from typing import ClassVar
 
 from torch import Tensor
 
+from aggregator_service.batchnorm_pooling import pooled_variances, second_moments, variance_pairs
 from aggregator_service.metrics import effective_dispersion, effective_filters
 from aggregator_service.strategies.base import RoundAccumulator, Strategy
 from aggregator_service.updates import AggregateResult, ClientUpdate
 from aggregator_service.weighted_mean import WEIGHTINGS, client_weight
 from fedcore.spec import ModelSpec
+from fedcore.training.config import BN_STATISTICS
 
 __all__ = ["FedAvg"]
 
@@ -41,13 +43,22 @@ class FedAvg(Strategy):
     keep_local_buffers
         Never aggregate ``buffer`` tensors (BN running statistics stay on each client, as in
         FedBN/SiloBN); they keep their global value.
+    bn_statistics
+        ``"precise"``: each BatchNorm's ``running_var`` is the pooled variance of all clients'
+        data (:mod:`aggregator_service.batchnorm_pooling`); ``"running"``: averaged like any tensor.
     """
 
     name: ClassVar[str] = "fedavg"
 
     def __init__(
-        self, weighting: str = "samples", temperature: float = math.inf, keep_local_buffers: bool = False
+        self,
+        weighting: str = "samples",
+        temperature: float = math.inf,
+        keep_local_buffers: bool = False,
+        bn_statistics: str = "precise",
     ) -> None:
+        if bn_statistics not in BN_STATISTICS:
+            raise ValueError(f"bn_statistics must be one of {', '.join(BN_STATISTICS)}, got {bn_statistics!r}")
         if weighting not in WEIGHTINGS:
             raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
         if not temperature > 0.0:
@@ -55,6 +66,7 @@ class FedAvg(Strategy):
         self.weighting = weighting
         self.temperature = float(temperature)
         self.keep_local_buffers = keep_local_buffers
+        self.bn_statistics = bn_statistics
 
     def local_tensors(self, spec: ModelSpec) -> frozenset[str]:
         if not self.keep_local_buffers:
@@ -95,7 +107,7 @@ class FedAvg(Strategy):
             raise ValueError(f"client {update.client_id} was already folded into this round")
         aligned = self._aligned(acc, update)
         weight = client_weight(update, self.weighting, self.temperature)
-        acc.tensors.add(aligned, weight)
+        acc.tensors.add(second_moments(aligned) if self.bn_statistics == "precise" else aligned, weight)
         acc.filters.add(effective_filters(aligned), weight)
         acc.weights.append(weight)
         acc.client_ids.append(update.client_id)
@@ -113,6 +125,10 @@ class FedAvg(Strategy):
 
     def finish(self, acc: RoundAccumulator, global_tensors: Mapping[str, Tensor]) -> AggregateResult:
         means, raw = acc.tensors.mean(), acc.tensors.mean(cast=False)
+        if self.bn_statistics == "precise":
+            pairs = {v: m for v, m in variance_pairs(raw).items() if acc.tensors.weight(v) == acc.tensors.weight(m)}
+            raw = {**raw, **pooled_variances(raw, pairs)}
+            means = {**means, **{v: raw[v].to(global_tensors[v].dtype) for v in pairs}}
         tensors = {
             name: self.new_value(name, means[name], raw[name], global_tensors[name]).to(global_tensors[name].dtype)
             for name in acc.due

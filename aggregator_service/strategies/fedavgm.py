@@ -32,8 +32,9 @@ class FedAvgM(FedAvg):
         weighting: str = "samples",
         temperature: float = math.inf,
         keep_local_buffers: bool = False,
+        bn_statistics: str = "precise",
     ) -> None:
-        super().__init__(weighting, temperature, keep_local_buffers)
+        super().__init__(weighting, temperature, keep_local_buffers, bn_statistics)
         if not (server_learning_rate > 0 and math.isfinite(server_learning_rate)):
             raise ValueError(f"server_learning_rate must be > 0, got {server_learning_rate}")
         if not 0.0 <= server_momentum < 1.0:

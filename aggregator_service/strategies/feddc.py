@@ -42,9 +42,12 @@ class FedDC(Scaffold):
         weighting: str = "samples",
         temperature: float = math.inf,
         keep_local_buffers: bool = False,
+        bn_statistics: str = "precise",
         spec: ModelSpec | None = None,
     ) -> None:
-        super().__init__(num_clients_total, 1.0, weighting, temperature, keep_local_buffers, spec)
+        super().__init__(
+            num_clients_total, 1.0, weighting, temperature, keep_local_buffers, bn_statistics=bn_statistics, spec=spec
+        )
         if not (alpha >= 0 and math.isfinite(alpha)):
             raise ValueError(f"alpha must be ≥ 0, got {alpha}")
         self.alpha = float(alpha)

@@ -41,8 +41,9 @@ class FedOpt(FedAvg):
         weighting: str = "samples",
         temperature: float = math.inf,
         keep_local_buffers: bool = False,
+        bn_statistics: str = "precise",
     ) -> None:
-        super().__init__(weighting, temperature, keep_local_buffers)
+        super().__init__(weighting, temperature, keep_local_buffers, bn_statistics)
         if not (eta > 0 and math.isfinite(eta)):
             raise ValueError(f"eta must be > 0, got {eta}")
         if not 0.0 <= beta_1 < 1.0:

@@ -21,8 +21,9 @@ class FedProx(FedAvg):
         weighting: str = "samples",
         temperature: float = math.inf,
         keep_local_buffers: bool = False,
+        bn_statistics: str = "precise",
     ) -> None:
-        super().__init__(weighting, temperature, keep_local_buffers)
+        super().__init__(weighting, temperature, keep_local_buffers, bn_statistics)
         if not (mu >= 0.0 and math.isfinite(mu)):
             raise ValueError(f"mu must be ≥ 0, got {mu}")
         self.mu = float(mu)

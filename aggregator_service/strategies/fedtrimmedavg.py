@@ -27,8 +27,9 @@ class FedTrimmedAvg(CoordinateWise):
         weighting: str = "samples",
         temperature: float = math.inf,
         keep_local_buffers: bool = False,
+        bn_statistics: str = "precise",
     ) -> None:
-        super().__init__(weighting, temperature, keep_local_buffers)
+        super().__init__(weighting, temperature, keep_local_buffers, bn_statistics)
         if not 0.0 <= beta < 0.5:
             raise ValueError(f"beta (the fraction trimmed from each end) must be in [0, 0.5), got {beta}")
         self.beta = float(beta)

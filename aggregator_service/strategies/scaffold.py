@@ -65,9 +65,10 @@ class Scaffold(FedAvg):
         weighting: str = "samples",
         temperature: float = math.inf,
         keep_local_buffers: bool = False,
+        bn_statistics: str = "precise",
         spec: ModelSpec | None = None,
     ) -> None:
-        super().__init__(weighting, temperature, keep_local_buffers)
+        super().__init__(weighting, temperature, keep_local_buffers, bn_statistics)
         if num_clients_total < 1:
             raise ValueError(f"num_clients_total must be ≥ 1, got {num_clients_total}")
         if not (global_lr > 0.0 and math.isfinite(global_lr)):

@@ -131,6 +131,12 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weighting", choices=["samples", "tier-softmax"])
     g.add_argument("--temperature", type=float, help="FedHM softmax temperature τ (inf = plain FedAvg weights)")
     g.add_argument("--keep-local-buffers", action="store_true", default=None, help="never average BN statistics")
+    g.add_argument(
+        "--bn-statistics",
+        choices=["precise", "running"],
+        help="BatchNorm statistics: recomputed for the trained weights and pooled (precise), or PyTorch's "
+        "running averages averaged as they are (running) [precise]",
+    )
     g.add_argument("--frobenius-decay", type=float, help="FedHM Frobenius decay λ on low-rank factors")
     g.add_argument("--interval-policy", choices=["every_round", "fixed", "fedlama"])
     g.add_argument("--beta", type=float, help="fixed policy: coefficients every 1/β rounds")

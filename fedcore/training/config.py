@@ -15,7 +15,10 @@ from torch import Tensor
 
 from fedcore.training.personalization import PERSONALIZATIONS
 
-__all__ = ["EvalResult", "LocalResult", "TrainConfig", "check_int"]
+__all__ = ["BN_STATISTICS", "EvalResult", "LocalResult", "TrainConfig", "check_int"]
+
+#: How a client obtains the BatchNorm statistics it pushes (fedcore.training.batchnorm).
+BN_STATISTICS = ("precise", "running")
 
 
 def check_int(name: str, value: Any, minimum: int) -> None:
@@ -56,6 +59,8 @@ class TrainConfig:
     head_epochs: int = 10
     #: Ditto: λ of the personal model's proximal term λ/2‖v − w‖² (the decomposition paper: 0.75)
     ditto_lambda: float = 0.75
+    #: BatchNorm statistics pushed: "precise" (recomputed for the trained weights) or "running" (as trained)
+    bn_statistics: str = "precise"
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -76,6 +81,8 @@ class TrainConfig:
             )
         check_int("head_epochs", self.head_epochs, 1)
         _check_float("ditto_lambda", self.ditto_lambda)
+        if self.bn_statistics not in BN_STATISTICS:
+            raise ValueError(f"bn_statistics must be one of {', '.join(BN_STATISTICS)}, got {self.bn_statistics!r}")
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"device must be a non-empty string, got {self.device!r}")
 

@@ -17,13 +17,24 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.data import DataLoader
 from torch.utils.data import Dataset as TorchDataset
 
 from fedcore.training.atom_steps import AtomSteps
 from fedcore.training.config import TrainConfig
 
-__all__ = ["Batches", "Dataset", "EpochStats", "phase", "resolve_device", "seeded", "sgd", "training_only"]
+__all__ = [
+    "Batches",
+    "Dataset",
+    "EpochStats",
+    "phase",
+    "resolve_device",
+    "seeded",
+    "sgd",
+    "smallest_batch",
+    "training_only",
+]
 
 # Client data up to this size moves to the device once per call; larger data moves per batch.
 _WHOLE_DATA_BYTES = 256 * 2**20
@@ -92,17 +103,28 @@ class Batches:
         self.x = x.to(device) if whole else x
         self.y = y.to(device) if whole else y
 
-    def epoch(self, batch_size: int, generator: torch.Generator | None) -> Iterator[tuple[Tensor, Tensor]]:
+    def epoch(
+        self, batch_size: int, generator: torch.Generator | None, min_batch: int = 1
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """One pass in ``generator``'s order (in order without one); a last minibatch smaller than
+        ``min_batch`` is skipped (train-mode BatchNorm cannot normalize one sample)."""
         order = torch.randperm(self.n, generator=generator) if generator is not None else torch.arange(self.n)
+        stop = self.n if self.n % batch_size == 0 or self.n % batch_size >= min_batch else self.n - self.n % batch_size
         if self.stream is not None:
-            chunks = [order[s : s + batch_size].tolist() for s in range(0, self.n, batch_size)]
+            chunks = [order[s : min(s + batch_size, stop)].tolist() for s in range(0, stop, batch_size)]
             for xb, yb in DataLoader(self.stream, batch_sampler=chunks):
                 yield xb.to(self.device), torch.as_tensor(yb).long().to(self.device)
             return
         order = order.to(self.x.device)
-        for start in range(0, self.n, batch_size):
-            idx = order[start : start + batch_size]
+        for start in range(0, stop, batch_size):
+            idx = order[start : min(start + batch_size, stop)]
             yield self.x[idx].to(self.device), self.y[idx].to(self.device)
+
+
+def smallest_batch(model: nn.Module) -> int:
+    """The smallest minibatch ``model`` trains on: 2 with BatchNorm anywhere (train-mode BatchNorm cannot
+    normalize one sample whose maps are 1×1), else 1."""
+    return 2 if any(isinstance(m, _BatchNorm) for m in model.modules()) else 1
 
 
 @dataclass
@@ -125,9 +147,13 @@ def sgd(
 ) -> EpochStats:
     """Minibatch SGD on ``params`` with a fresh optimizer (momentum restarts every round).
 
+    In a model with BatchNorm a last minibatch of one sample is skipped: train-mode BatchNorm
+    cannot normalize it.
+
     ``penalty`` adds a regularizer to the loss; ``correction`` is added to each gradient after
     backward (SCAFFOLD's ``c − c_i``). Returns the last epoch's mean loss and accuracy.
     """
+    smallest = smallest_batch(model)
     steps_of = AtomSteps(model, params, config.lr, config.atom_lr)
     optimizer = torch.optim.SGD(
         steps_of.param_groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
@@ -136,9 +162,10 @@ def sgd(
     steps = 0
     loss_sum = torch.zeros((), device=batches.device)
     correct = torch.zeros((), device=batches.device, dtype=torch.long)
+    seen = 0
     for epoch in range(epochs):
         last = epoch == epochs - 1
-        for xb, yb in batches.epoch(config.batch_size, generator):
+        for xb, yb in batches.epoch(config.batch_size, generator, smallest):
             optimizer.zero_grad(set_to_none=True)
             logits = model(xb)
             loss = F.cross_entropy(logits, yb)
@@ -158,11 +185,14 @@ def sgd(
             optimizer.step()
             steps += 1
             if last:
+                seen += len(yb)
                 loss_sum += loss.detach() * len(yb)
                 correct += (logits.detach().argmax(dim=1) == yb).sum()
         if on_epoch is not None:
             on_epoch(epoch + 1, epochs)
-    return EpochStats(float(loss_sum) / batches.n, float(correct) / batches.n, steps)
+    if seen == 0:
+        raise ValueError(f"no minibatch of at least {smallest} samples in {batches.n} (the model has BatchNorm)")
+    return EpochStats(float(loss_sum) / seen, float(correct) / seen, steps)
 
 
 @contextmanager

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 from torch import Tensor, nn
 
+from fedcore.training.batchnorm import recompute_statistics
 from fedcore.training.config import LocalResult, TrainConfig
 from fedcore.training.ditto import check_personal_model, train_ditto
 from fedcore.training.fedrep import head_parameters, train_head
@@ -54,7 +55,9 @@ def local_update(
     ``v_k`` is trained first in the same way (:func:`~fedcore.training.ditto.train_ditto`) and returned
     as ``personal_model``; with ``"fedrep"`` the head is trained first
     (:func:`~fedcore.training.fedrep.train_head`) and then only the body. The other baselines train
-    the model as it is given (the caller loads the client's personal tensors into it).
+    the model as it is given (the caller loads the client's personal tensors into it). With
+    ``config.bn_statistics == "precise"`` the model's BatchNorm statistics are then recomputed for
+    its trained weights (:mod:`~fedcore.training.batchnorm`).
     """
     began = time.perf_counter()
     device = resolve_device(config.device)
@@ -117,6 +120,12 @@ def local_update(
             stats = sgd(model, params, batches, config, config.local_epochs, seed, penalty, correction, on_epoch)
     finally:
         model.train(was_training)
+
+    if config.bn_statistics == "precise":
+        with seeded(seed, device):
+            recomputed = recompute_statistics(model, batches, config.batch_size, seed)
+        if recomputed:
+            metrics["bn_samples"] = float(recomputed)
 
     strategy_state = control_delta = None
     if plan is not None:

@@ -10,7 +10,7 @@ from strategy_helpers import DIGITS, LENET, TIERS, batch_mean, random_tensors, r
 from torch import Tensor
 
 from aggregator_service.refactorization import refactorize
-from aggregator_service.strategies import FedAvg
+from aggregator_service.strategies import FedAvg, FedProx
 from aggregator_service.updates import ClientUpdate
 from fedcore.spec import ModelSpec
 
@@ -146,3 +146,68 @@ def test_client_metrics_are_sample_weighted() -> None:
     ]
     result = run_round(FedAvg(), global_tensors, updates)
     assert result.metrics == pytest.approx({"acc": 0.8, "loss": 1.0})
+
+
+# --------------------------------------------------------------------------- BatchNorm statistics
+
+
+@pytest.mark.parametrize("strategy", [FedAvg, lambda **kw: FedProx(mu=0.01, **kw)])
+def test_batchnorm_variance_is_pooled_over_the_clients_data(strategy) -> None:
+    """Each client reports its activations' mean and unbiased variance; the aggregate equals the statistics of
+    all clients' activations together (the oracle concatenates them), not the average of the variances."""
+    spec = ModelSpec("resnet18", 10, "none")
+    names = ["bn1.weight", "bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"]
+    gen = torch.Generator().manual_seed(8)
+    every = random_tensors(spec, gen)
+    global_tensors = {n: every[n] for n in names}
+    sizes, shifts = [40, 120, 40], [-3.0, 0.5, 4.0]  # non-IID: each client's activations sit elsewhere
+    acts = [
+        torch.randn(n, 64, generator=gen, dtype=torch.float64) * (1 + i) + s
+        for i, (n, s) in enumerate(zip(sizes, shifts, strict=True))
+    ]
+
+    def client(i: int) -> ClientUpdate:
+        a = acts[i]
+        # the biased variance of each client's n samples, so the pooled one is the biased variance of all
+        tensors = {
+            **global_tensors,
+            "bn1.running_mean": a.mean(0).float(),
+            "bn1.running_var": a.var(0, unbiased=False).float(),
+        }
+        return update(spec, tensors, sizes[i], f"c{i}")
+
+    updates = [client(i) for i in range(3)]
+    pooled = run_round(strategy(), global_tensors, updates, names)
+    everything = torch.cat(acts)
+    torch.testing.assert_close(pooled.tensors["bn1.running_mean"], everything.mean(0).float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        pooled.tensors["bn1.running_var"], everything.var(0, unbiased=False).float(), rtol=1e-5, atol=1e-5
+    )
+    assert float((pooled.tensors["bn1.running_var"] - everything.var(0, unbiased=False)).abs().max()) < 1e-3
+    averaged = run_round(strategy(bn_statistics="running"), global_tensors, updates, names)
+    plain = sum(n * a.var(0, unbiased=False) for n, a in zip(sizes, acts, strict=True)) / sum(sizes)
+    torch.testing.assert_close(averaged.tensors["bn1.running_var"], plain.float(), rtol=1e-5, atol=1e-5)
+    assert float((pooled.tensors["bn1.running_var"] - averaged.tensors["bn1.running_var"]).min()) > 1.0
+
+
+def test_a_running_var_without_its_mean_is_averaged() -> None:
+    spec = ModelSpec("resnet18", 10, "none")
+    names = ["bn1.running_var"]
+    global_tensors = {"bn1.running_var": torch.ones(64)}
+    updates = [update(spec, {"bn1.running_var": torch.full((64,), float(v))}, 10, f"c{v}") for v in (1, 3)]
+    result = run_round(FedAvg(), global_tensors, updates, names)
+    torch.testing.assert_close(result.tensors["bn1.running_var"], torch.full((64,), 2.0))
+
+
+def test_bn_statistics_is_checked_by_the_strategy() -> None:
+    with pytest.raises(ValueError, match="bn_statistics must be one of precise, running"):
+        FedAvg(bn_statistics="pooled")
+
+
+@pytest.mark.parametrize("mode", ["precise", "running"])
+def test_the_federation_sets_bn_statistics_on_both_sides(mode: str) -> None:
+    from aggregator_service.config import FederationConfig
+
+    config = FederationConfig(model="resnet18", strategy="fedavgm", bn_statistics=mode)
+    assert config.train_config().bn_statistics == mode  # what clients are told to push
+    assert config.build_federation(4).strategy.bn_statistics == mode  # how the server combines it
