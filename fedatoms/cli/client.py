@@ -22,6 +22,12 @@ def cmd_client_run(args: argparse.Namespace) -> int:
     from fedwire.allocator import reuse_message_buffers
 
     _check_server(args.server)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be ≥ 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     train, test = _local_data(args)
     if args.profile is not None:
         profile = declared_profile(args.profile, len(train))
@@ -178,6 +184,11 @@ def add_parser(sub: Any) -> None:
         metavar="MODULE",
         help="model code the aggregator may make this client import, as a module prefix or a full reference; "
         "repeat for several [the zoo and torchvision.models; 'none': the zoo only]",
+    )
+    run.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads for training and evaluation [one per core]; 1 when several clients share a machine",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar per local epoch")
     run.add_argument("-v", "--verbose", action="store_true")

@@ -86,3 +86,10 @@ def test_a_profile_no_tier_fits_is_one_line_and_exit_2(aggregator, tmp_path, cap
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith("ts=")]  # the agent's own log lines aside
     assert len(lines) == 1 and "no tier" in lines[0] and "tiny" in lines[0], err
     assert _clients(aggregator.url) == 0
+
+
+def test_threads_below_one_are_refused(aggregator, tmp_path, capsys) -> None:
+    code, err = _run(capsys, "--server", aggregator.target, "--threads", "0", "--state-dir", str(tmp_path / "d"))
+    assert code == 2
+    assert "--threads must be ≥ 1, got 0" in err and len(err.strip().splitlines()) == 1
+    assert _clients(aggregator.url) == 0
