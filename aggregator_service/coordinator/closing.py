@@ -4,8 +4,9 @@ A close is the heaviest thing the service does (every update decoded and folded,
 evaluation), and every client waits on it, so it runs under no lock GetTask, Heartbeat or
 Push take, and in no write transaction:
 
-1. under the shared lock, the round is marked ``closing`` (pushes and tasks for it wait for the
-   outcome, :meth:`Shared.settled`; heartbeats and fetches go on with the last global model);
+1. under the shared lock, the round is marked ``closing`` (pushes and held GetTask long polls wait
+   for the outcome, :meth:`Shared.settled`; a GetTask that is not held is answered Wait at once;
+   heartbeats and fetches go on with the last global model);
 2. a copy of the engine folds the round's updates, read in a read transaction, and closes; the
    server evaluates the new model;
 3. one short write transaction locks the round, checks that the stored updates are exactly the
@@ -33,6 +34,7 @@ from sqlalchemy.orm import Session
 
 from aggregator_service import store
 from aggregator_service.logfmt import kv
+from aggregator_service.low_priority import at_lowest_priority
 from aggregator_service.metrics import total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome
 from aggregator_service.updates import ClientUpdate
@@ -80,7 +82,7 @@ class Closing:
         the database itself (a lock, a lost connection) are retried, never a reason to abandon.
         """
         try:
-            self._close(op, reason)
+            at_lowest_priority(lambda: self._close(op, reason), name=f"close-{op.plan.round}")
         except Exception as exc:
             log.error(
                 kv("round_close_failed", round=op.plan.round, cause=_cause(exc), action=self._action), exc_info=True

@@ -49,12 +49,18 @@ class Tasks:
 
         The rule that keeps held calls from starving the others: at most ``long_poll_waiters`` calls are
         held at once (the server's thread pool has that many threads more than its workers); a call
-        past that bound is answered at once, with the usual retry-after.
+        past that bound is answered at once, with the usual retry-after. A call that is not held is never
+        made to wait for a close in flight either: it is answered with a Wait, since no client can train
+        before the close ends, while a held call waits on and answers with what the close led to.
         """
         shared = self.shared
         wait_seconds = min(wait_seconds, shared.settings.long_poll_seconds)
         if wait_seconds <= 0 or not self._holds.acquire(blocking=False):
-            with shared.settled():  # a closing round's task depends on whether the close succeeds
+            with shared.lock:
+                if shared.open is not None and shared.open.closing:
+                    # answered now, not after the close: whatever the close's outcome, nothing can be trained
+                    # until it ends and the next round opens, so every client's answer is a Wait
+                    return Wait(self._retry(), f"round {shared.open.plan.round} is closing")
                 return self._task(client, self._retry())
         try:
             end = time.monotonic() + wait_seconds

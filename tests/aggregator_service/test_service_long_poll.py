@@ -108,3 +108,44 @@ def test_held_polls_past_the_bound_answer_at_once_and_heartbeats_go_on(start_ser
         for h in holds:
             task, took = h.result(timeout=10)
             assert task.WhichOneof("kind") == "wait" and took < 15
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_close_in_flight_holds_no_plain_poll(start_service, request, backend) -> None:
+    """While a close computes (held in its strategy by the test), a plain GetTask is answered at once with a
+    Wait that says so, Heartbeat answers too, and a held long poll waits for the outcome and then gets the
+    next round's task; the close itself ends as it would have."""
+    import close_gate
+    from grpc_helpers import small_federation
+
+    url = request.getfixturevalue(f"{backend}_url")
+    close_gate.ENTERED.clear()
+    close_gate.RELEASE.clear()
+    service = start_service(url, small_federation(strategy="close_gate:GatedFedAvg"), poll_interval_seconds=3.0)
+    a, b = (register(service.stub, t, d) for t, d in zip([1.0, 0.25], shards(2), strict=True))
+    tasks = {c.client_id: _task(c, 0.0)[0] for c in (a, b)}
+    pushes = {}
+    for c in (a, b):
+        c.fetch()
+        pushes[c.client_id] = c.train(tasks[c.client_id])
+    assert a.push(1, pushes[a.client_id].tensors, num_samples=pushes[a.client_id].num_samples).accepted
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            completing = pool.submit(
+                b.push, 1, pushes[b.client_id].tensors, num_samples=pushes[b.client_id].num_samples
+            )
+            assert close_gate.ENTERED.wait(30), "the close never started"
+            for c in (a, b):
+                task, took = _task(c, 0.0, timeout=5)  # before the change: held until the close ended
+                assert task.WhichOneof("kind") == "wait" and task.wait.reason == "round 1 is closing", task
+                assert task.wait.retry_after_seconds == 3.0 and took < 2.0
+            beat = a.stub.Heartbeat(pb.HeartbeatRequest(), metadata=a.auth, timeout=5)
+            assert beat.current_round == 1 and beat.last_closed_round == 0
+            held = pool.submit(_task, a, 25.0)
+            time.sleep(0.5)
+            assert not held.done() and not completing.done()
+        finally:
+            close_gate.RELEASE.set()
+        assert completing.result(timeout=30).accepted
+        task_a, _ = held.result(timeout=30)
+    assert task_a.WhichOneof("kind") == "train" and task_a.train.round == 2
