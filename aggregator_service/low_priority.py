@@ -16,10 +16,18 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-__all__ = ["NICE", "at_lowest_priority"]
+__all__ = ["NICE", "at_lowest_priority", "lower_this_thread"]
 
 NICE = 19
 T = TypeVar("T")
+
+
+def lower_this_thread() -> None:
+    """Give the calling thread nice ``NICE`` (Linux: a thread's own value; elsewhere nothing, as it would be the
+    whole process's)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
 
 
 def at_lowest_priority(fn: Callable[[], T], name: str = "low-priority") -> T:
@@ -28,9 +36,7 @@ def at_lowest_priority(fn: Callable[[], T], name: str = "low-priority") -> T:
     error: list[BaseException] = []
 
     def run() -> None:
-        if sys.platform.startswith("linux"):
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        lower_this_thread()
         try:
             result.append(fn())
         except BaseException as exc:  # re-raised in the caller's thread

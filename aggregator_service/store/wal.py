@@ -18,20 +18,18 @@ its thread on its first connection and stops it when it is disposed or collected
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sqlite3
-import sys
 import threading
 from pathlib import Path
+
+from aggregator_service.low_priority import lower_this_thread
 
 __all__ = ["WalCheckpointer"]
 
 log = logging.getLogger(__name__)
 
-# maintenance yields to serving: the thread runs at the lowest priority (Linux: its own nice value)
-NICE = 19
 # a commit still checkpoints, as SQLite would, once the WAL has this many pages (4× SQLite's default: 256 MB at
 # the store's 64 KiB pages): should the thread ever fall that far behind, the WAL stays bounded all the same
 BACKSTOP_PAGES = 4000
@@ -83,9 +81,7 @@ class WalCheckpointer:
         return (frames, copied) if not busy else (frames, -1)
 
     def _run(self, stopped: threading.Event) -> None:
-        if sys.platform.startswith("linux"):  # a thread's own nice value (elsewhere it would be the process's)
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        lower_this_thread()
         conn: sqlite3.Connection | None = None
         seen: tuple[int, int] | None = None  # (mtime, size) of the WAL when it was last checkpointed in full
         try:

@@ -13,7 +13,8 @@ from sqlalchemy import Engine, text
 from support import wait_until
 
 from aggregator_service import store
-from aggregator_service.store.wal import BACKSTOP_PAGES, NICE
+from aggregator_service.low_priority import NICE
+from aggregator_service.store.wal import BACKSTOP_PAGES
 
 AUTOCHECKPOINT_PAGES = 1000  # SQLite's default wal_autocheckpoint
 PAGE = 65536  # the store's page size
