@@ -8,6 +8,7 @@ so a setting tried in simulation means the same thing in production.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -315,11 +316,17 @@ class AggregatorSettings(TomlSettings):
     #: Most GetTask calls held at once; each holds a server thread of its own, beyond the workers that
     #: serve every other call, and a call past this bound is answered at once.
     long_poll_waiters: int = Field(default=64, ge=1)
-    #: PushUpdate calls received at once (each holds about 2 × its update's bytes until stored); more wait in
-    #: line (at most half the server's workers), and one beyond that is answered UNAVAILABLE (clients retry).
-    #: Several, not one: a device on a slow link holds its slot for the whole upload, and must not stall
-    #: everyone else's; lower it to bound the aggregator's memory, raise it for many fast uploaders.
+    #: PushUpdate calls received at once; more wait in line (at most half the server's workers), and one
+    #: beyond that is answered UNAVAILABLE (clients retry). A push is received into a file in ``spool_dir``
+    #: (memory: one 1 MiB chunk), so several slow uploads cost disk, not memory; several, not one: a device
+    #: on a slow link holds its slot for the whole upload, and must not stall everyone else's.
     max_concurrent_pushes: int = Field(default=8, ge=1)
+    #: Received pushes decoded, validated and stored at once (each holds about its update's bytes in
+    #: memory meanwhile); the rest wait. Bounds the aggregator's memory whatever the cohort size.
+    max_pushes_in_memory: int = Field(default=2, ge=1)
+    #: Directory that received pushes are spooled to (files unlinked at once: nothing stays after a crash);
+    #: unset: the system's temporary directory. Put it on disk: a tmpfs spool is memory again.
+    spool_dir: Path | None = None
     #: Register calls served at once; as many more wait in line, and one beyond that is answered UNAVAILABLE
     #: (clients retry). Registration is rare, and a flood of them (wrong secrets included) must not take the
     #: threads that serve enrolled clients' heartbeats, task polls and pushes.
@@ -351,6 +358,14 @@ class AggregatorSettings(TomlSettings):
     def _check_eval_data(cls, value: str | None) -> str | None:
         if value is not None:
             describe(value, "eval_data")  # a typo fails at start, not after the first round
+        return value
+
+    @field_validator("spool_dir")
+    @classmethod
+    def _check_spool_dir(cls, value: Path | None) -> Path | None:
+        if value is not None and not (value.is_dir() and os.access(value, os.W_OK | os.X_OK)):
+            why = "does not exist" if not value.exists() else "is not a directory this user can write"
+            raise ValueError(f"spool_dir {str(value)!r} {why}: pushes are received into files there")
         return value
 
     @field_validator("listen")

@@ -8,10 +8,12 @@ compute identical rounds.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -133,6 +135,17 @@ class Federation:
         self.bounds: UpdateBounds | None = None  # the service's update bounds; clip mode acts at fold
 
     # -- what clients download
+    def fork(self) -> Federation:
+        """An engine to fold a round into while this one goes on answering (the service's close).
+
+        The spec is immutable, and a close replaces global tensors, never changes one in place: both
+        are shared, not copied (a model's worth of memory the close would otherwise hold twice); the
+        per-tier cache is keyed by the versions the close changes, so the fork starts without it.
+        """
+        memo: dict[int, Any] = {id(self.spec): self.spec, id(self._tier_cache): ((), {})}
+        memo.update((id(t), t) for t in self.global_tensors.values())
+        return copy.deepcopy(self, memo)
+
     def tier_spec(self, tier: float) -> ModelSpec:
         return self.spec.at_tier(tier)
 

@@ -9,10 +9,12 @@ SIGTERM/SIGINT with a background thread that enforces round deadlines.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import signal
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -34,7 +36,7 @@ from aggregator_service.logfmt import configure_logging
 from fedcore import codec
 from fedcore.tiers import CapabilityProfile
 from fedwire import framing
-from fedwire.allocator import reuse_message_buffers
+from fedwire.allocator import release_free_memory, reuse_message_buffers
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
@@ -45,6 +47,11 @@ log = logging.getLogger("fedatoms.aggregator")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
 # Chunks carry ≤ 1 MiB of data; 4 MiB + headroom is gRPC's default and leaves room for headers.
 MAX_MESSAGE_BYTES = 4 * 2**20 + 64 * 2**10
+# How much of each push may be in flight to the server before it reads it: a fixed HTTP/2 stream
+# window, not one grown by BDP probes, which on loopback grew to megabytes per stream and made the
+# aggregator's memory grow with the number of concurrent pushes (benchmarks/memory.py: 14× the
+# model at 50 resnet18 clients, 3.8× with this). 256 KiB is 20 Mbit/s per push at 100 ms RTT.
+RECEIVE_WINDOW_BYTES = 256 << 10
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -96,8 +103,12 @@ def _rpc(fn: _F) -> _F:
 class AggregatorServicer(pb_grpc.AggregatorServicer):
     def __init__(self, coordinator: Coordinator, settings: AggregatorSettings, push_waiters: int = 16) -> None:
         self.coordinator = coordinator
-        # pushes received at once: memory flat in the cohort (a push holds its update until it is stored)
+        # pushes received at once (into spool files), and of those, decoded at once: memory flat in the cohort
         self._pushes = Gate(settings.max_concurrent_pushes, push_waiters)
+        # decoding, validating and storing run on these threads, not the RPC's: the updates in memory are
+        # bounded by their number, and so are the thread-local caches numpy and torch keep per thread
+        self._decoders = futures.ThreadPoolExecutor(settings.max_pushes_in_memory, thread_name_prefix="decode")
+        self.spool_dir = settings.spool_dir
         # registrations at once, and as many waiting: a flood of them leaves every other worker to enrolled clients
         n = settings.max_concurrent_registrations
         self._registrations = Gate(n, n)
@@ -287,42 +298,56 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     def _receive(
         self, header: pb.PushHeader, client: ClientInfo, request_iterator: Iterator[Any]
     ) -> tuple[PushResult, OpenRound | None]:
-        """Reassemble the update's chunks and store it (inside the push gate); the round it completed, if any."""
-        model = codec.Reassembler(max_total_bytes=self.push_limit)
-        control: codec.Reassembler | None = None
-        tensor_bytes: dict[str, int] = {}
-        for msg in request_iterator:
-            for kind, piece in self._chunks(msg):
-                tensor_bytes[piece.name] = tensor_bytes.get(piece.name, 0) + len(piece.data)
-                if kind == pb.TENSOR_KIND_MODEL:
-                    if control is not None:
+        """Receive the update's chunks into spool files (inside the push gate), then decode and store it
+        (inside the decoding gate, which bounds the updates in memory); the round it completed, if any."""
+        with contextlib.ExitStack() as files:
+
+            def spool() -> Any:
+                return files.enter_context(tempfile.TemporaryFile(prefix="fedatoms-push-", dir=self.spool_dir))
+
+            model = codec.Reassembler(max_total_bytes=self.push_limit, spool=spool())
+            control: codec.Reassembler | None = None
+            tensor_bytes: dict[str, int] = {}
+            for msg in request_iterator:
+                for kind, piece in self._chunks(msg):
+                    tensor_bytes[piece.name] = tensor_bytes.get(piece.name, 0) + len(piece.data)
+                    if kind == pb.TENSOR_KIND_MODEL:
+                        if control is not None:
+                            raise InvalidArgument(
+                                f"model tensor {piece.name!r} after control deltas: send model tensors first"
+                            )
+                        model.add(piece)
+                    elif kind == pb.TENSOR_KIND_CONTROL_DELTA:
+                        if control is None:
+                            limit = max(0, self.push_limit - model.bytes_received)
+                            control = codec.Reassembler(max_total_bytes=limit, spool=spool())
+                        control.add(piece)
+                    else:
                         raise InvalidArgument(
-                            f"model tensor {piece.name!r} after control deltas: send model tensors first"
+                            f"tensor {piece.name!r}: chunk kind {framing.KIND_NAMES.get(kind, kind)} cannot be "
+                            "pushed; use TENSOR_KIND_MODEL or TENSOR_KIND_CONTROL_DELTA"
                         )
-                    model.add(piece)
-                elif kind == pb.TENSOR_KIND_CONTROL_DELTA:
-                    if control is None:
-                        control = codec.Reassembler(max_total_bytes=max(0, self.push_limit - model.bytes_received))
-                    control.add(piece)
-                else:
-                    raise InvalidArgument(
-                        f"tensor {piece.name!r}: chunk kind {framing.KIND_NAMES.get(kind, kind)} cannot be "
-                        "pushed; use TENSOR_KIND_MODEL or TENSOR_KIND_CONTROL_DELTA"
+            nbytes = model.bytes_received + (control.bytes_received if control is not None else 0)
+
+            def decode_and_store() -> tuple[PushResult, OpenRound | None]:
+                try:
+                    tensors = model.finish(allow_nonfinite=True)  # the coordinator names NaN/Inf per tensor
+                    deltas = control.finish(allow_nonfinite=True) if control is not None else None
+                    return self.coordinator.store_update(
+                        client,
+                        header.round,
+                        header.update_id,
+                        header.num_samples,
+                        dict(header.metrics),
+                        tensors,
+                        deltas,
+                        nbytes=nbytes,
+                        tensor_bytes=tensor_bytes,
                     )
-        tensors = model.finish(allow_nonfinite=True)  # the coordinator names NaN/Inf per tensor
-        deltas = control.finish(allow_nonfinite=True) if control is not None else None
-        nbytes = model.bytes_received + (control.bytes_received if control is not None else 0)
-        return self.coordinator.store_update(
-            client,
-            header.round,
-            header.update_id,
-            header.num_samples,
-            dict(header.metrics),
-            tensors,
-            deltas,
-            nbytes=nbytes,
-            tensor_bytes=tensor_bytes,
-        )
+                finally:
+                    release_free_memory()  # the update's arrays are gone: so are their pages
+
+            return self._decoders.submit(decode_and_store).result()
 
     @staticmethod
     def _chunks(msg: pb.PushMessage | list[framing.Received]) -> list[framing.Received]:
@@ -447,6 +472,8 @@ def build_server(
             # gRPC Python binds with SO_REUSEPORT by default: a second aggregator on the same port would start
             # and silently take half the clients; the port is this server's alone
             ("grpc.so_reuseport", 0),
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", RECEIVE_WINDOW_BYTES),
         ],
     )
     _add_servicer(AggregatorServicer(coordinator, settings, push_waiters=max(1, max_workers // 2)), server)

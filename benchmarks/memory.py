@@ -5,7 +5,9 @@ directory) serves resnet18 without factorization (tier 1: every push carries the
 float32, ≈44.7 MB), every client every round. This process registers ``--clients`` clients, asks
 each for its task (round 1 opens), then pushes every client's update at once, one thread each
 (the worst case: the whole cohort reports together), until the last push's reply (sent after the
-close it triggered). Every update is the initial model; no client trains (what is measured is the service).
+close it triggered). One client fetches the model first, as every client does before it trains (the
+server's per-tier and serialized-model caches fill, and are part of idle). Every update is the
+initial model; no client trains (what is measured is the service).
 
 The aggregator's resident set is read from ``/proc/<pid>/status``: **idle** is ``VmRSS`` once
 the round is open and every client has its task; then the peak counter is reset (``5`` written to
@@ -100,6 +102,7 @@ def measure(clients: int) -> tuple[float, float, float, int]:
                 rounds.add(task.train.round)
             (round_,) = rounds
             spec = ModelSpec.from_json(reply.model_spec_json)
+            first.fetch(spec, {}, round_=round_)  # as a client does before training: the serving caches fill
             state = spec.initial_model(0).state_dict()
             model = {n: state[n] for n in spec.names}
             tensors = [(n, t, 0, pb.TENSOR_KIND_MODEL) for n, t in model.items()]

@@ -15,9 +15,10 @@ message a person can act on.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import numpy.typing as npt
@@ -249,14 +250,35 @@ class _Partial:
     shape: tuple[int, ...]
     version: int
     total_bytes: int
-    buf: np.ndarray  # uint8, preallocated to total_bytes: each chunk is copied once, into place
-    view: memoryview  # of buf: slice assignment from a chunk's bytes or memoryview is one memcpy
+    buf: np.ndarray | None  # uint8, preallocated to total_bytes (None when spooled): each chunk copied once, in place
+    view: memoryview | None  # of buf: slice assignment from a chunk's bytes or memoryview is one memcpy
+    spool_offset: int = 0  # where the tensor's bytes start in the spool file (when spooled)
     filled: int = 0
     chunks: int = 0
 
     @property
     def complete(self) -> bool:
         return self.filled == self.total_bytes
+
+
+def _write_all(fd: int | None, data: bytes | memoryview, offset: int) -> None:
+    assert fd is not None
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _read_all(fd: int | None, size: int, offset: int) -> np.ndarray:
+    assert fd is not None
+    buf = np.empty(size, dtype=np.uint8)
+    view, done = memoryview(buf), 0
+    while done < size:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise OSError(f"spool file ended {size - done} bytes early")
+        done += got
+    return buf
 
 
 class Reassembler:
@@ -268,10 +290,17 @@ class Reassembler:
     ``CHUNK_BYTES`` (the wire's rule; larger ones are ``too_large``). ``max_total_bytes`` bounds the
     memory one message may take; it is checked against each tensor's declared size when the
     tensor starts, so an oversized message is refused before its bytes arrive.
+
+    With ``spool`` (a file opened for reading and writing), chunks are written to that file as they
+    arrive and read back only by :meth:`finish`: receiving a message then holds one chunk in
+    memory, not the message, so a server can receive many slow uploads at once and decode them
+    one at a time (page cache is not the process's memory).
     """
 
-    def __init__(self, max_total_bytes: int | None = None) -> None:
+    def __init__(self, max_total_bytes: int | None = None, spool: BinaryIO | None = None) -> None:
         self.max_total_bytes = max_total_bytes
+        self._spool = spool.fileno() if spool is not None else None
+        self._spool_end = 0
         self._done: dict[str, _Partial] = {}
         self._current: _Partial | None = None
         self._received = 0
@@ -316,7 +345,10 @@ class Reassembler:
                 f"oversized: chunk at offset {chunk.offset} with {n} bytes runs past total_bytes {cur.total_bytes}",
                 "oversized",
             )
-        cur.view[cur.filled : cur.filled + n] = chunk.data  # same length: an in-place copy, never a resize
+        if cur.view is not None:
+            cur.view[cur.filled : cur.filled + n] = chunk.data  # same length: an in-place copy, never a resize
+        else:
+            _write_all(self._spool, chunk.data, cur.spool_offset + cur.filled)
         cur.filled += n
         cur.chunks += 1
         self._received += n
@@ -354,6 +386,10 @@ class Reassembler:
         # np.empty, not bytearray: pages are only touched as bytes arrive (a declared-but-unsent tensor
         # costs no memory), and numpy asks for huge pages for large buffers, which makes filling a
         # fresh 45 MB model about 5x faster than faulting in a bytearray's 4 KiB pages
+        if self._spool is not None:
+            self._current = _Partial(chunk.name, chunk.dtype, dims, chunk.version, size, None, None, self._spool_end)
+            self._spool_end += size
+            return self._current
         buf = np.empty(size, dtype=np.uint8)
         self._current = _Partial(chunk.name, chunk.dtype, dims, chunk.version, size, buf, buf.data)
         return self._current
@@ -386,6 +422,9 @@ class Reassembler:
             self._current = None
         out: dict[str, np.ndarray] = {}
         for name, part in self._done.items():
+            data, copy = part.buf, self._handed_over
+            if data is None:  # spooled: read back into a fresh buffer, which is the array's own
+                data, copy = _read_all(self._spool, part.total_bytes, part.spool_offset), False
             exp_shape: tuple[int, ...] | None = None
             exp_dtype: str | None = None
             if expected is not None:
@@ -396,11 +435,11 @@ class Reassembler:
                 name,
                 part.dtype,
                 part.shape,
-                part.buf,
+                data,
                 expected_shape=exp_shape,
                 expected_dtype=exp_dtype,
                 allow_nonfinite=allow_nonfinite,
-                copy=self._handed_over,
+                copy=copy,
             )
         self._handed_over = True
         return out

@@ -10,9 +10,15 @@ the next message reuses the last one's pages, and what still faults is mostly th
 new arrays (``benchmarks/transport.py`` prints page faults per fetch).
 
 The cost is memory a process keeps after a transfer: at most ``TRIM_THRESHOLD`` of free heap
-per malloc arena. Entry points call :func:`reuse_message_buffers` once (``fedatoms aggregator
-serve``, ``fedatoms client run``, the simulation's workers); a library import never changes
-its host's allocator. ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` in the
+per malloc arena. glibc gives each new thread an arena of its own, up to 8 per core, and each
+keeps its own free heap and fragments: a server's pool of RPC threads multiplies both. Python
+threads allocate under the GIL, so :data:`ARENA_MAX` arenas cost no contention. Where a process
+has just freed a model's worth of blocks (the aggregator after storing an update, after a
+close's fold), :func:`release_free_memory` hands the free pages back at once.
+
+Entry points call :func:`reuse_message_buffers` once (``fedatoms aggregator serve``,
+``fedatoms client run``, the simulation's workers); a library import never changes its host's
+allocator. ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_ARENA_MAX`` in the
 environment win: an operator who set them keeps them.
 """
 
@@ -22,8 +28,9 @@ import ctypes
 import ctypes.util
 import logging
 import os
+from typing import Any
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "reuse_message_buffers"]
+__all__ = ["ARENA_MAX", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "release_free_memory", "reuse_message_buffers"]
 
 log = logging.getLogger("fedwire.allocator")
 
@@ -33,28 +40,29 @@ log = logging.getLogger("fedwire.allocator")
 MMAP_THRESHOLD = 4 << 20
 # several messages in flight (HTTP/2's flow-control window) plus the one being copied out
 TRIM_THRESHOLD = 16 << 20
+# the main arena and one more: threads that hold the GIL seldom contend for malloc's locks
+ARENA_MAX = 2
 
 _M_TRIM_THRESHOLD = -1  # <malloc.h>
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 
 
 def reuse_message_buffers() -> bool:
     """Set glibc's mmap and trim thresholds (unless the environment sets them); ``False`` when the
     C library is not glibc (musl, macOS), whose allocators have neither knob."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # noqa: B018  # glibc only: musl has a mallopt that does nothing
-    except (OSError, AttributeError, TypeError):
-        log.info("event=allocator_unchanged reason=not_glibc library=%s", name)
+    libc = _glibc()
+    if libc is None:
+        log.info("event=allocator_unchanged reason=not_glibc library=%s", ctypes.util.find_library("c"))
         return False
+    mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     chosen = {}
     for param, value, env in (
         (_M_MMAP_THRESHOLD, MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_"),
         (_M_TRIM_THRESHOLD, TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_"),
+        (_M_ARENA_MAX, ARENA_MAX, "MALLOC_ARENA_MAX"),
     ):
         key = env.strip("_").lower().removeprefix("malloc_")
         if env in os.environ:
@@ -65,3 +73,27 @@ def reuse_message_buffers() -> bool:
         chosen[key] = str(value)
     log.info("event=allocator_set %s", " ".join(f"{k}={v}" for k, v in chosen.items()))
     return True
+
+
+def release_free_memory() -> None:
+    """Give the kernel back every whole free page of the heap (glibc's ``malloc_trim(0)``), after work
+    that freed a model's worth of blocks; nothing where the C library is not glibc."""
+    global _RELEASE
+    if _RELEASE is None:
+        libc = _glibc()
+        _RELEASE = libc.malloc_trim if libc is not None else (lambda pad: 0)
+    _RELEASE(0)
+
+
+_RELEASE: Any = None  # glibc's malloc_trim, looked up once
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc; ``None`` for musl (whose mallopt does nothing), macOS, or none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.gnu_get_libc_version  # noqa: B018  # glibc only
+        libc.mallopt, libc.malloc_trim  # noqa: B018
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc

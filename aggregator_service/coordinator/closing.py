@@ -20,7 +20,6 @@ a second failure of the same round with the same cause abandons it (:meth:`Closi
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from collections.abc import Mapping
@@ -39,6 +38,7 @@ from aggregator_service.metrics import total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome
 from aggregator_service.updates import ClientUpdate
 from fedcore.keys import client_key
+from fedwire.allocator import release_free_memory
 
 from .ledger import Counts, Ledger
 from .restore import load, save_strategy_groups, split_strategy_state
@@ -121,8 +121,9 @@ class Closing:
             drained: Counts = {}
             try:
                 with shared.lock:
-                    fed = _copy(shared.federation)
+                    fed = shared.federation.fork()
                 folded = self._fold(fed, op)
+                release_free_memory()
                 outcome = fed.close()
                 round_metrics = self._round_metrics(fed, outcome)
                 json_state, strategy_groups = split_strategy_state(fed.strategy)
@@ -197,6 +198,8 @@ class Closing:
                         metrics=dict(header.metrics or {}),
                     )
                 )
+                # dropped before the next update is read: one update in memory at a time, not two
+                del tensors, deltas
         return folded
 
     def _round_metrics(self, fed: Federation, outcome: RoundOutcome) -> dict[str, Any]:
@@ -275,15 +278,6 @@ class Closing:
 
 def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def _copy(fed: Federation) -> Federation:
-    """An engine to fold into while the live one goes on answering. The spec is immutable, and a close
-    replaces global tensors, never changes one in place: both are shared, not copied (a model's worth
-    of memory the close would otherwise hold twice)."""
-    memo: dict[int, Any] = {id(fed.spec): fed.spec}
-    memo.update((id(t), t) for t in fed.global_tensors.values())
-    return copy.deepcopy(fed, memo)
 
 
 def _stored(s: Session, fed: store.Federation, round_: int) -> set[tuple[str, str]]:
