@@ -298,8 +298,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     def _receive(
         self, header: pb.PushHeader, client: ClientInfo, request_iterator: Iterator[Any]
     ) -> tuple[PushResult, OpenRound | None]:
-        """Receive the update's chunks into spool files (inside the push gate), then decode and store it
-        (inside the decoding gate, which bounds the updates in memory); the round it completed, if any."""
+        """Receive the update's chunks into spool files (inside the push gate), then decode and store it on a
+        decoding thread (their number bounds the updates in memory); the round it completed, if any."""
         with contextlib.ExitStack() as files:
 
             def spool() -> Any:

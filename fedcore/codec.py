@@ -383,13 +383,13 @@ class Reassembler:
         if chunk.offset != 0:
             raise CodecError(chunk.name, f"first chunk at offset {chunk.offset}, expected offset 0", "offset")
         self._declared += size
-        # np.empty, not bytearray: pages are only touched as bytes arrive (a declared-but-unsent tensor
-        # costs no memory), and numpy asks for huge pages for large buffers, which makes filling a
-        # fresh 45 MB model about 5x faster than faulting in a bytearray's 4 KiB pages
-        if self._spool is not None:
+        if self._spool is not None:  # the tensor's bytes go to the next free range of the spool file
             self._current = _Partial(chunk.name, chunk.dtype, dims, chunk.version, size, None, None, self._spool_end)
             self._spool_end += size
             return self._current
+        # np.empty, not bytearray: pages are only touched as bytes arrive (a declared-but-unsent tensor
+        # costs no memory), and numpy asks for huge pages for large buffers, which makes filling a
+        # fresh 45 MB model about 5x faster than faulting in a bytearray's 4 KiB pages
         buf = np.empty(size, dtype=np.uint8)
         self._current = _Partial(chunk.name, chunk.dtype, dims, chunk.version, size, buf, buf.data)
         return self._current
