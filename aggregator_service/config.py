@@ -19,6 +19,7 @@ from pydantic_settings import SettingsConfigDict
 
 from aggregator_service.intervals import HOLD_COHORT, PROTECT, build_policy
 from aggregator_service.listen import is_loopback, split_listen
+from aggregator_service.refactorization import TIER_INITS
 from aggregator_service.rounds import CohortSampler, Federation
 from aggregator_service.strategies import Setting, accepts, build_strategy, strategy_class
 from aggregator_service.toml_settings import TomlSettings
@@ -99,6 +100,8 @@ class FederationConfig:
     head_epochs: int = FEDERATION_TRAINING.head_epochs
     ditto_lambda: float = FEDERATION_TRAINING.ditto_lambda
     fp16: bool = False
+    #: a tier's first factors: "energy" keeps the plain layer's output variance, "truncated" is FedHM's SVD cut
+    tier_init: str = "energy"
     seed: int = 0
     #: ``{mean = [..], std = [..]}`` per input channel for clients' images; unset: each client's own statistics.
     normalization: dict[str, list[float]] | None = None
@@ -139,6 +142,8 @@ class FederationConfig:
             raise ValueError("--temperature only applies with --weighting tier-softmax")
         if self.lama_protect not in PROTECT:
             raise ValueError(f"lama_protect must be one of {', '.join(PROTECT)}, got {self.lama_protect!r}")
+        if self.tier_init not in TIER_INITS:
+            raise ValueError(f"tier_init must be one of {', '.join(TIER_INITS)}, got {self.tier_init!r}")
         if self.hold_cohort not in HOLD_COHORT:
             raise ValueError(f"hold_cohort must be one of {', '.join(HOLD_COHORT)}, got {self.hold_cohort!r}")
         if self.interval_policy == "fixed" and self.factorization not in ("atoms", "atoms-lowrank"):
@@ -258,6 +263,7 @@ class FederationConfig:
             init_seed=self.seed,
             fp16=self.fp16,
             personal=personal_tensors(spec, self.personalization),
+            tier_init=self.tier_init,
         )
 
     @property

@@ -3,29 +3,41 @@
 The server keeps one full-rank model; a client of tier γ trains low-rank factors of its
 factorized tensors, so each tier's download is cut from the new global tensors by truncated
 SVD, once per tensor for all tiers.
+
+A tensor no client has trained yet is an initialization, not a fit to keep: its top ``r``
+singular values hold only part of its energy (about ``r`` of ``min(m, n)`` shares of a random
+matrix), so the truncated layer's outputs start several times smaller than the plain layer's,
+which PyTorch's init sized to keep activations' variance. ``TIER_INITS``: ``"energy"`` scales such
+a cut's singular values to the full tensor's Frobenius norm (same directions, the variance of the
+plain layer's outputs); ``"truncated"`` is FedHM's spectral initialization as printed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from fedcore.spec import ModelSpec, factored_matrix
 
-__all__ = ["refactorize"]
+__all__ = ["TIER_INITS", "refactorize"]
+
+#: how a tier's factors are cut from a tensor no client has trained yet (module docstring)
+TIER_INITS = ("energy", "truncated")
 
 
 def refactorize(
-    global_tensors: Mapping[str, Tensor], tier_specs: Sequence[ModelSpec]
+    global_tensors: Mapping[str, Tensor], tier_specs: Sequence[ModelSpec], keep_energy: Collection[str] = ()
 ) -> dict[float, dict[str, Tensor]]:
     """Every tier's download: truncated-SVD factors (√Σ split) of the factorized tensors, others as they are.
 
     Truncated SVDs are nested, so each factorized full-rank tensor is decomposed once and
     sliced at every tier's rank; the result equals ``spec.from_full(global_tensors)`` per
-    tier. Un-factorized tensors (and a γ = 1 tier entirely) share storage with
-    ``global_tensors``: do not modify them in place.
+    tier. Full-rank tensors named in ``keep_energy`` are cut with their kept singular values
+    scaled to the whole tensor's Frobenius norm (``"energy"`` in :data:`TIER_INITS`).
+    Un-factorized tensors (and a γ = 1 tier entirely) share storage with ``global_tensors``:
+    do not modify them in place.
     """
     svds: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
     out: dict[float, dict[str, Tensor]] = {}
@@ -41,8 +53,19 @@ def refactorize(
                     svds[t.full_name] = torch.linalg.svd(matrix, full_matrices=False)
                 u_, s, vh = svds[t.full_name]
                 rank = t.shape[1]
-                root = s[:rank].sqrt()
+                kept = s[:rank]
+                if t.full_name in keep_energy:
+                    kept = kept * _energy_ratio(s, rank)
+                root = kept.sqrt()
                 tier[t.name] = (u_[:, :rank] * root).to(full.dtype)
                 tier[t.name[: -len("_u")] + "_v"] = (root[:, None] * vh[:rank]).to(full.dtype)
         out[spec.rank_ratio] = {t.name: tier[t.name] for t in spec.tensors}
     return out
+
+
+def _energy_ratio(s: Tensor, rank: int) -> Tensor:
+    """``‖σ‖ / ‖σ[:rank]‖``: the factor that gives the rank-``rank`` cut the whole tensor's Frobenius norm."""
+    kept = s[:rank].square().sum()
+    if kept <= 0:
+        return torch.ones((), dtype=s.dtype)  # a zero tensor: nothing to restore
+    return (s.square().sum() / kept).sqrt()

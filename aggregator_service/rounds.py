@@ -19,7 +19,7 @@ from torch import Tensor
 
 from aggregator_service.intervals import IntervalPolicy, discrepancy
 from aggregator_service.metrics import latent_clients
-from aggregator_service.refactorization import refactorize
+from aggregator_service.refactorization import TIER_INITS, refactorize
 from aggregator_service.strategies import RoundAccumulator, Strategy
 from aggregator_service.update_bounds import UpdateBounds
 from aggregator_service.updates import AggregateResult, ClientUpdate
@@ -107,8 +107,13 @@ class Federation:
         global_tensors: Mapping[str, Tensor] | None = None,
         fp16: bool = False,
         personal: Sequence[str] = (),
+        tier_init: str = "energy",
     ) -> None:
+        if tier_init not in TIER_INITS:
+            raise ValueError(f"tier_init must be one of {', '.join(TIER_INITS)}, got {tier_init!r}")
         self.spec = spec.full()
+        #: how tiers are cut from tensors no round has aggregated yet (:mod:`.refactorization`)
+        self.tier_init = tier_init
         self.tiers = tuple(sorted({float(t) for t in tiers}, reverse=True))
         self.strategy = strategy
         self.policy = policy
@@ -153,12 +158,14 @@ class Federation:
         """The global model shaped for ``tier`` (truncated SVD of factorized tensors), cached per version.
 
         All known tiers are factorized together, so each factorized tensor costs one SVD per version.
+        A tensor still at version 0 (the initial model) is cut as ``tier_init`` says.
         """
         key = tuple(self.versions.values())
         cached_key, per_tier = self._tier_cache
         if cached_key != key or tier not in per_tier:
             tiers = sorted({*self.tiers, float(tier)}, reverse=True)
-            per_tier = refactorize(self.global_tensors, [self.tier_spec(t) for t in tiers])
+            untrained = [n for n, v in self.versions.items() if v == 0] if self.tier_init == "energy" else []
+            per_tier = refactorize(self.global_tensors, [self.tier_spec(t) for t in tiers], frozenset(untrained))
             self._tier_cache = (key, per_tier)
         return per_tier[tier]
 

@@ -154,6 +154,11 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
         help="FedLAMA: never relax the head and the first layer (default), or relax any kernel (the paper)",
     )
     g.add_argument("--tiers", type=_tiers, help="capability tiers assigned round-robin, e.g. 1,0.5,0.25,0.125")
+    g.add_argument(
+        "--tier-init",
+        choices=["energy", "truncated"],
+        help="a tier's first factors: the SVD cut scaled to the plain layer's energy (default), or FedHM's cut",
+    )
     g.add_argument("--personal-atoms", action="store_true", default=None, help="keep personal atoms per client")
     g.add_argument("--personal-epochs", type=int, help="personal atoms', Ditto's and FT's epochs (default: local)")
     g.add_argument(

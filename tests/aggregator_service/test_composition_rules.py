@@ -2,7 +2,7 @@
 
 - ``lama_protect = "head_and_first"``: the head and the first kernel's layer never get the long interval;
 - ``hold_cohort = "while_relaxed"``: a period cohort is kept only while some tensor is relaxed;
-- plain FedAvg's record is the same whichever cohort rule is configured.
+- plain FedAvg's record is the same whichever cohort rule or tier cut is configured.
 """
 
 from __future__ import annotations
@@ -74,9 +74,17 @@ def test_cohort_is_held_only_while_something_is_relaxed() -> None:
     assert held.cohort_period == 1 and paper.cohort_period == 2
 
 
-def test_plain_fedavg_record_is_the_same_under_either_cohort_rule() -> None:
+@pytest.mark.parametrize(
+    ("key", "values"), [("cohort", ("per_round", "period")), ("tier_init", ("energy", "truncated"))]
+)
+def test_plain_fedavg_record_is_the_same_under_either_rule(key: str, values: tuple[str, str]) -> None:
+    """Cohort rules and a tier's first cut change nothing for plain FedAvg, to the bit."""
     common = {"rounds": 2, "clients": 6, "fraction": 0.5, "local_epochs": 1, "seed": 4}
-    a = run_simulation(SimulationConfig(**common, cohort="per_round"))["rounds"]
-    b = run_simulation(SimulationConfig(**common, cohort="period"))["rounds"]
+    a, b = (run_simulation(SimulationConfig(**common, **{key: v}))["rounds"] for v in values)
     strip = lambda rs: [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rs]  # noqa: E731
     assert strip(a) == strip(b)
+
+
+def test_an_unknown_tier_init_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match="tier_init must be one of energy, truncated"):
+        SimulationConfig(tier_init="svd")

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from aggregator_service.intervals import EveryRound, FedLAMA, FixedSchedule
-from aggregator_service.refactorization import refactorize
 from aggregator_service.rounds import CohortSampler, Federation
 from aggregator_service.strategies import FedAvg
 from aggregator_service.updates import ClientUpdate
@@ -17,10 +16,15 @@ SPEC = ModelSpec("digits-cnn", 10, "atoms-lowrank", 9)
 CLIENTS = [f"c{i}" for i in range(8)]
 
 
-def federation(policy_cls=EveryRound, mode="period", **policy_kw) -> Federation:
+def federation(policy_cls=EveryRound, mode="period", tier_init="energy", **policy_kw) -> Federation:
     full = SPEC.full()
     return Federation(
-        full, FedAvg(), policy_cls(full.tensors, **policy_kw), CohortSampler(0.5, 2, mode, seed=1), init_seed=0
+        full,
+        FedAvg(),
+        policy_cls(full.tensors, **policy_kw),
+        CohortSampler(0.5, 2, mode, seed=1),
+        init_seed=0,
+        tier_init=tier_init,
     )
 
 
@@ -123,13 +127,50 @@ def test_fetch_moves_only_newer_versions_shaped_for_the_tier():
     assert "conv2.coefficients_u" not in second  # coefficients were not due in round 1
 
 
-def test_tier_tensors_are_the_truncated_svd_of_the_global_model():
-    fed = federation()
+def _close_one_round(fed: Federation) -> None:
+    plan = fed.plan(1, CLIENTS)
+    fed.begin(plan)
+    for cid in plan.cohort:
+        fed.fold(update(fed, cid, plan.due, seed=1))
+    fed.close()
+
+
+@pytest.mark.parametrize("tier_init", ["truncated", "energy"])
+def test_tier_tensors_are_the_truncated_svd_of_an_aggregated_global_model(tier_init):
+    fed = federation(tier_init=tier_init)
+    if tier_init == "energy":
+        _close_one_round(fed)  # "energy" cuts only tensors no round has aggregated yet
     for tier in (1.0, 0.5, 0.125):
-        expected = refactorize(fed.global_tensors, [fed.tier_spec(tier)])[tier]
+        expected = fed.tier_spec(tier).from_full(fed.global_tensors)
         got = fed.tier_tensors(tier)
         assert got.keys() == expected.keys()
-        assert all(torch.equal(got[n], expected[n]) for n in got)
+        assert all(torch.allclose(got[n], expected[n], atol=1e-6) for n in got)
+
+
+def test_a_tiers_first_cut_keeps_the_plain_layers_output_variance():
+    """Round 0's ⅛ layers, fed white noise, answer with the plain layers' variance (Kaiming's criterion).
+
+    The oracle is the plain layer itself, run by torch on the same inputs; FedHM's plain cut
+    (``truncated``) keeps only the top singular values' share of it.
+    """
+    gen = torch.Generator().manual_seed(3)
+    images, features = torch.randn(128, 32, 8, 8, generator=gen), torch.randn(512, 1024, generator=gen)
+    ratios: dict[str, dict[str, float]] = {}
+    for tier_init in ("energy", "truncated"):
+        fed = federation(tier_init=tier_init)
+        full = fed.global_tensors
+        net = fed.tier_spec(0.125).build()
+        net.load_state_dict(fed.tier_tensors(0.125))
+        weight = torch.einsum("oiq,qxy->oixy", full["conv2.coefficients"], full["conv2.atoms"])
+        with torch.no_grad():
+            conv = net.conv2(images) - full["conv2.bias"][None, :, None, None]
+            linear = net.fc1(features) - full["fc1.bias"]
+        ratios[tier_init] = {
+            "conv2": float(conv.var() / torch.nn.functional.conv2d(images, weight, padding=1).var()),
+            "fc1": float(linear.var() / (features @ full["fc1.weight"].T).var()),
+        }
+    assert ratios["energy"] == pytest.approx({"conv2": 1.0, "fc1": 1.0}, abs=0.1)
+    assert all(r < 0.6 for r in ratios["truncated"].values()), ratios
 
 
 def test_mixed_tiers_fold_to_full_rank():
