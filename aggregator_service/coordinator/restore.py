@@ -30,6 +30,10 @@ log = logging.getLogger("fedatoms.aggregator")
 # Keys of the federation config an operator may change between restarts (everything else defines the run).
 _MUTABLE_CONFIG_KEYS = frozenset({"rounds"})
 
+#: method keys added after federations were stored, with the behaviour a federation stored without
+#: one ran with: it keeps that behaviour across an upgrade instead of being refused or changed
+_KEYS_SINCE: dict[str, Any] = {"tier_init": "truncated"}
+
 
 def load(shared: Shared) -> None:
     """(Re)build the in-memory federation from the database; create it on first start."""
@@ -51,6 +55,10 @@ def load(shared: Shared) -> None:
             _check_config(shared, row.config)
         total = store.count_clients(s, row, include_revoked=False)
         fed = shared.config.build_federation(num_clients_total=max(1, total))
+        predates = {k: v for k, v in _KEYS_SINCE.items() if not created and k not in row.config}
+        if predates:
+            fed.tier_init = predates.get("tier_init", fed.tier_init)
+            log.info(kv("federation_predates_keys", name=settings.federation_name, keeps=predates))
         fed.bounds = settings.update_bounds
         if created:
             intervals = fed.policy.intervals()
@@ -97,7 +105,9 @@ def _config_json(shared: Shared) -> dict[str, Any]:
 def _check_config(shared: Shared, stored: Mapping[str, Any]) -> None:
     current = _config_json(shared)
     differ = sorted(
-        k for k in set(stored) | set(current) if k not in _MUTABLE_CONFIG_KEYS and stored.get(k) != current.get(k)
+        k
+        for k in set(stored) | set(current)
+        if k not in _MUTABLE_CONFIG_KEYS and (k in stored or k not in _KEYS_SINCE) and stored.get(k) != current.get(k)
     )
     if differ:
         settings = shared.settings
