@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from aggregator_service.held_average import TIER_AVERAGES
 from aggregator_service.intervals import HOLD_COHORT, PROTECT, build_policy
 from aggregator_service.listen import is_loopback, split_listen
 from aggregator_service.refactorization import TIER_INITS
@@ -102,6 +103,8 @@ class FederationConfig:
     fp16: bool = False
     #: a tier's first factors: "energy" keeps the plain layer's output variance, "truncated" is FedHM's SVD cut
     tier_init: str = "energy"
+    #: factorized entries averaged over the clients whose tier holds them ("held") or FedHM's eq. 1 ("aligned")
+    tier_average: str = "held"
     seed: int = 0
     #: ``{mean = [..], std = [..]}`` per input channel for clients' images; unset: each client's own statistics.
     normalization: dict[str, list[float]] | None = None
@@ -144,6 +147,8 @@ class FederationConfig:
             raise ValueError(f"lama_protect must be one of {', '.join(PROTECT)}, got {self.lama_protect!r}")
         if self.tier_init not in TIER_INITS:
             raise ValueError(f"tier_init must be one of {', '.join(TIER_INITS)}, got {self.tier_init!r}")
+        if self.tier_average not in TIER_AVERAGES:
+            raise ValueError(f"tier_average must be one of {', '.join(TIER_AVERAGES)}, got {self.tier_average!r}")
         if self.hold_cohort not in HOLD_COHORT:
             raise ValueError(f"hold_cohort must be one of {', '.join(HOLD_COHORT)}, got {self.hold_cohort!r}")
         if self.interval_policy == "fixed" and self.factorization not in ("atoms", "atoms-lowrank"):
@@ -264,6 +269,7 @@ class FederationConfig:
             fp16=self.fp16,
             personal=personal_tensors(spec, self.personalization),
             tier_init=self.tier_init,
+            tier_average=self.tier_average,
         )
 
     @property

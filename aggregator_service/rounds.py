@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
+from aggregator_service.held_average import TIER_AVERAGES, HeldAverage
 from aggregator_service.intervals import IntervalPolicy, discrepancy
 from aggregator_service.metrics import latent_clients
 from aggregator_service.refactorization import TIER_INITS, refactorize
@@ -108,12 +109,17 @@ class Federation:
         fp16: bool = False,
         personal: Sequence[str] = (),
         tier_init: str = "energy",
+        tier_average: str = "held",
     ) -> None:
         if tier_init not in TIER_INITS:
             raise ValueError(f"tier_init must be one of {', '.join(TIER_INITS)}, got {tier_init!r}")
+        if tier_average not in TIER_AVERAGES:
+            raise ValueError(f"tier_average must be one of {', '.join(TIER_AVERAGES)}, got {tier_average!r}")
         self.spec = spec.full()
         #: how tiers are cut from tensors no round has aggregated yet (:mod:`.refactorization`)
         self.tier_init = tier_init
+        #: how tiers below 1 are averaged into factorized tensors (:mod:`.held_average`)
+        self.tier_average = tier_average
         self.tiers = tuple(sorted({float(t) for t in tiers}, reverse=True))
         self.strategy = strategy
         self.policy = policy
@@ -202,6 +208,8 @@ class Federation:
         self.cohort = plan.cohort
         self._plan = plan
         self._acc = self.strategy.begin(self.global_tensors, plan.due)
+        if self.tier_average == "held" and any(t < 1.0 for t in self.tiers):
+            self._acc.held = HeldAverage(self.global_tensors)
         self._fold_order = []
 
     def fold(self, update: ClientUpdate) -> None:

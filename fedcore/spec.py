@@ -43,6 +43,7 @@ __all__ = [
     "TensorSpec",
     "count_macs",
     "factored_matrix",
+    "tensor_from_matrix",
     "tensor_roles",
 ]
 
@@ -420,10 +421,15 @@ def factored_matrix(full: Tensor) -> Tensor:
 
 
 def _from_matrix(matrix: Tensor, full: TensorSpec) -> Tensor:
-    if len(full.shape) == 4:
-        o, i, k, _ = full.shape
+    return tensor_from_matrix(matrix, full.shape)
+
+
+def tensor_from_matrix(matrix: Tensor, shape: Sequence[int]) -> Tensor:
+    """The inverse of :func:`factored_matrix` for a full-rank tensor of ``shape``."""
+    if len(shape) == 4:
+        o, i, k, _ = shape
         return matrix_to_conv_weight(matrix, o, i, k)
-    if len(full.shape) == 3:
-        _, i, m = full.shape
+    if len(shape) == 3:
+        _, i, m = shape
         return matrix_to_coefficients(matrix, i, m)
     return matrix

@@ -32,7 +32,7 @@ _MUTABLE_CONFIG_KEYS = frozenset({"rounds"})
 
 #: method keys added after federations were stored, with the behaviour a federation stored without
 #: one ran with: it keeps that behaviour across an upgrade instead of being refused or changed
-_KEYS_SINCE: dict[str, Any] = {"tier_init": "truncated"}
+_KEYS_SINCE: dict[str, Any] = {"tier_init": "truncated", "tier_average": "aligned"}
 
 
 def load(shared: Shared) -> None:
@@ -58,6 +58,7 @@ def load(shared: Shared) -> None:
         predates = {k: v for k, v in _KEYS_SINCE.items() if not created and k not in row.config}
         if predates:
             fed.tier_init = predates.get("tier_init", fed.tier_init)
+            fed.tier_average = predates.get("tier_average", fed.tier_average)
             log.info(kv("federation_predates_keys", name=settings.federation_name, keeps=predates))
         fed.bounds = settings.update_bounds
         if created:

@@ -48,6 +48,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
+from aggregator_service.held_average import HeldAverage
 from aggregator_service.updates import AggregateResult, ClientUpdate
 from aggregator_service.weighted_mean import WeightedMean
 from fedcore.spec import ModelSpec
@@ -68,6 +69,8 @@ class RoundAccumulator:
     reported: set[str] = field(default_factory=set)  # O(1) duplicate check in fold
     metric_sums: dict[str, float] = field(default_factory=dict)
     metric_weights: dict[str, float] = field(default_factory=dict)
+    #: set by the federation when tiers below 1 are averaged where they hold (:mod:`aggregator_service.held_average`)
+    held: HeldAverage | None = None
 
 
 @dataclass(frozen=True)

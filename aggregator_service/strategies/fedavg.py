@@ -1,7 +1,9 @@
 """FedAvg, and FedHM's aligned average over heterogeneous tiers (McMahan et al.; FedHM eq. 1–2).
 
 A client of tier γ pushes its tier's tensors; :meth:`ModelSpec.to_full` aligns them back to
-full rank (FedHM eq. 1) before they are averaged with the :func:`client_weight` weights.
+full rank (FedHM eq. 1) before they are averaged with the :func:`client_weight` weights. With mixed
+tiers, each factorized entry is then the mean of the clients that hold it when the federation sets
+``acc.held`` (:mod:`aggregator_service.held_average`).
 
 Decomposed layers need nothing special: atoms ``D`` and coefficients ``α`` are separate
 tensors, so averaging them separately *is* the product of averages ``ᾱ × D̄`` (the
@@ -107,6 +109,8 @@ class FedAvg(Strategy):
             raise ValueError(f"client {update.client_id} was already folded into this round")
         aligned = self._aligned(acc, update)
         weight = client_weight(update, self.weighting, self.temperature)
+        if acc.held is not None:
+            acc.held.fold(update, aligned, weight)
         acc.tensors.add(second_moments(aligned) if self.bn_statistics == "precise" else aligned, weight)
         acc.filters.add(effective_filters(aligned), weight)
         acc.weights.append(weight)
@@ -125,6 +129,11 @@ class FedAvg(Strategy):
 
     def finish(self, acc: RoundAccumulator, global_tensors: Mapping[str, Tensor]) -> AggregateResult:
         means, raw = acc.tensors.mean(), acc.tensors.mean(cast=False)
+        if acc.held is not None:
+            for name in raw:
+                corrected = acc.held.correct(name, raw[name], acc.tensors.weight(name))
+                if corrected is not raw[name]:
+                    raw[name], means[name] = corrected, corrected.to(means[name].dtype)
         if self.bn_statistics == "precise":
             pairs = {v: m for v, m in variance_pairs(raw).items() if acc.tensors.weight(v) == acc.tensors.weight(m)}
             raw = {**raw, **pooled_variances(raw, pairs)}

@@ -159,6 +159,11 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
         choices=["energy", "truncated"],
         help="a tier's first factors: the SVD cut scaled to the plain layer's energy (default), or FedHM's cut",
     )
+    g.add_argument(
+        "--tier-average",
+        choices=["held", "aligned"],
+        help="mixed tiers: each factorized entry averaged over the clients that hold it (default), or FedHM's eq. 1",
+    )
     g.add_argument("--personal-atoms", action="store_true", default=None, help="keep personal atoms per client")
     g.add_argument("--personal-epochs", type=int, help="personal atoms', Ditto's and FT's epochs (default: local)")
     g.add_argument(

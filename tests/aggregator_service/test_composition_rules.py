@@ -75,7 +75,12 @@ def test_cohort_is_held_only_while_something_is_relaxed() -> None:
 
 
 @pytest.mark.parametrize(
-    ("key", "values"), [("cohort", ("per_round", "period")), ("tier_init", ("energy", "truncated"))]
+    ("key", "values"),
+    [
+        ("cohort", ("per_round", "period")),
+        ("tier_init", ("energy", "truncated")),
+        ("tier_average", ("held", "aligned")),
+    ],
 )
 def test_plain_fedavg_record_is_the_same_under_either_rule(key: str, values: tuple[str, str]) -> None:
     """Cohort rules and a tier's first cut change nothing for plain FedAvg, to the bit."""

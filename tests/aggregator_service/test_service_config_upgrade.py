@@ -1,7 +1,8 @@
 """A federation stored before a method key existed keeps the behaviour it ran with across an upgrade.
 
-``tier_init`` came after federations were stored: one stored without it restarts (not refused as
-"a different method") and keeps FedHM's truncated cut; one stored with a value is held to it.
+``tier_init`` and ``tier_average`` came after federations were stored: one stored without them
+restarts (not refused as "a different method") and keeps FedHM's truncated cut and aligned
+average; one stored with a value is held to it.
 """
 
 from __future__ import annotations
@@ -15,28 +16,32 @@ from aggregator_service import store
 from aggregator_service.store.models import Federation as FederationRow
 
 
-def _drop_stored_key(url: str, key: str) -> None:
+def _drop_stored_keys(url: str, *keys: str) -> None:
     engine = store.create_engine_for(url)
     try:
         with store.session_factory(engine).begin() as s:
             row = s.scalars(select(FederationRow)).one()
             config = dict(row.config)
-            del config[key]
+            for key in keys:
+                del config[key]
             row.config = config
     finally:
         engine.dispose()
 
 
 @pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
-def test_a_federation_stored_without_tier_init_restarts_with_the_truncated_cut(backend, request, start_service):
+def test_a_federation_stored_before_the_tier_rules_restarts_with_fedhms(backend, request, start_service):
     url = request.getfixturevalue(backend)
     first = start_service(url)
-    assert first.coordinator.shared.federation.tier_init == "energy"
+    assert (first.coordinator.shared.federation.tier_init, first.coordinator.shared.federation.tier_average) == (
+        "energy",
+        "held",
+    )
     first.stop()
-    _drop_stored_key(url, "tier_init")
+    _drop_stored_keys(url, "tier_init", "tier_average")
 
     fed = start_service(url).coordinator.shared.federation  # the default settings: not refused
-    assert fed.tier_init == "truncated"
+    assert (fed.tier_init, fed.tier_average) == ("truncated", "aligned")
     expected = fed.tier_spec(0.25).from_full(fed.global_tensors)  # FedHM's exact cut, version 0 included
     got = fed.tier_tensors(0.25)
     assert all(torch.allclose(got[n], expected[n], atol=1e-6) for n in expected)

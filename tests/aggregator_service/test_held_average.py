@@ -1,0 +1,99 @@
+"""Mixed tiers averaged where they hold, through a real round of the federation, against hand-derived entries.
+
+The global ``fc1.weight`` (128 × 1024) is diagonal with distinct values, so its singular bases are
+the coordinate axes (up to sign) and "the entries a rank-16 factor pair can move" are, by hand,
+every entry in rows 0–15 or columns 0–15. A tier-1 client A and a tier-⅛ client B (rank 16) push;
+the new value must be their weighted mean where B holds the entry and A's value elsewhere, except in
+columns 128–1023, outside the global tensor's row space, where FedHM's weighted mean stays.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aggregator_service.intervals import EveryRound
+from aggregator_service.rounds import CohortSampler, Federation
+from aggregator_service.strategies import FedAvg
+from aggregator_service.updates import ClientUpdate
+from fedcore.spec import ModelSpec
+
+SPEC = ModelSpec("digits-cnn", 10, "lowrank")
+ROWS, COLS, RANK = 128, 1024, 16  # fc1 at tier 1/8: round(128 / 8)
+WEIGHTS = {"a": 10, "b": 30}  # num_samples: FedAvg's weights
+
+
+def _round(
+    tier_average: str, tiers=(1.0, 0.125)
+) -> tuple[Federation, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    full = SPEC.full()
+    fed = Federation(
+        full,
+        FedAvg(),
+        EveryRound(full.tensors),
+        CohortSampler(1.0, 2, "per_round", seed=0),
+        tiers=tiers,
+        tier_average=tier_average,
+    )
+    diagonal = torch.zeros(ROWS, COLS)
+    diagonal[range(ROWS), range(ROWS)] = torch.linspace(3.0, 1.0, ROWS)
+    fed.global_tensors["fc1.weight"] = diagonal
+    gen = torch.Generator().manual_seed(7)
+    tier_a, tier_b = max(tiers), min(tiers)
+    a = {n: t + 0.1 * torch.randn(t.shape, generator=gen) for n, t in fed.tier_tensors(tier_a).items()}
+    b = {n: t + 0.1 * torch.randn(t.shape, generator=gen) for n, t in fed.tier_tensors(tier_b).items()}
+    plan = fed.plan(1, ["a", "b"])
+    fed.begin(plan)
+    fed.fold(
+        ClientUpdate(
+            "a", WEIGHTS["a"], tier_a, fed.tier_spec(tier_a), {n: a[n] for n in fed.tier_due(tier_a, plan.due)}
+        )
+    )
+    fed.fold(
+        ClientUpdate(
+            "b", WEIGHTS["b"], tier_b, fed.tier_spec(tier_b), {n: b[n] for n in fed.tier_due(tier_b, plan.due)}
+        )
+    )
+    fed.close()
+    return fed, a, b
+
+
+def _mean(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (WEIGHTS["a"] * x.double() + WEIGHTS["b"] * y.double()) / sum(WEIGHTS.values())
+
+
+def test_entries_a_low_tier_holds_are_averaged_the_rest_is_the_full_tiers() -> None:
+    fed, a, b = _round("held")
+    b_fc1 = b["fc1.lowrank_u"].double() @ b["fc1.lowrank_v"].double()
+    rows, cols = torch.arange(ROWS)[:, None], torch.arange(COLS)[None, :]
+    held_by_b = (rows < RANK) | (cols < RANK)
+    new_direction = cols >= ROWS  # outside the global tensor's row space: FedHM's average
+    expected = torch.where(held_by_b | new_direction, _mean(a["fc1.weight"], b_fc1), a["fc1.weight"].double())
+    torch.testing.assert_close(fed.global_tensors["fc1.weight"].double(), expected, rtol=0, atol=1e-5)
+    # a tensor both tiers hold whole is their plain weighted mean
+    torch.testing.assert_close(
+        fed.global_tensors["fc1.bias"].double(), _mean(a["fc1.bias"], b["fc1.bias"]), rtol=0, atol=1e-6
+    )
+
+
+def test_aligned_is_fedhms_average_of_products() -> None:
+    fed, a, b = _round("aligned")
+    b_fc1 = b["fc1.lowrank_u"].double() @ b["fc1.lowrank_v"].double()
+    torch.testing.assert_close(
+        fed.global_tensors["fc1.weight"].double(), _mean(a["fc1.weight"], b_fc1), rtol=0, atol=1e-5
+    )
+
+
+def test_one_tier_alone_is_fedhm_exactly() -> None:
+    """No client holds the entries past rank 16: FedHM's average of the products stays there."""
+    held, _, _ = _round("held", tiers=(0.125,))
+    aligned, _, _ = _round("aligned", tiers=(0.125,))
+    for name in SPEC.full().names:
+        assert torch.equal(held.global_tensors[name], aligned.global_tensors[name]), name
+
+
+def test_an_unknown_tier_average_is_refused() -> None:
+    from fedatoms.simulate import SimulationConfig
+
+    with pytest.raises(ValueError, match="tier_average must be one of held, aligned"):
+        SimulationConfig(tier_average="mean")
