@@ -97,3 +97,55 @@ def test_an_unknown_tier_average_is_refused() -> None:
 
     with pytest.raises(ValueError, match="tier_average must be one of held, aligned"):
         SimulationConfig(tier_average="mean")
+
+
+def test_resnet18_convs_differ_from_fedhms_average_only_where_the_low_tier_does_not_hold() -> None:
+    """On a BatchNorm model's 4-D convs: the coordinates both tiers hold are their plain mean.
+
+    With ``P = L_r`` and ``Q = R_r`` the global tensor's top-``r`` singular vectors (computed here by
+    torch), ``held − aligned`` must vanish on ``Pᵀ X`` and ``X Q``: only coordinates the rank-``r``
+    client cannot move may change. And the change must be there: tier-1 learned something past ``r``.
+    """
+    from fedcore.spec import factored_matrix
+
+    spec = ModelSpec("resnet18", 10, "lowrank")
+    results = {}
+    for rule in ("held", "aligned"):
+        full = spec.full()
+        fed = Federation(
+            full,
+            FedAvg(),
+            EveryRound(full.tensors),
+            CohortSampler(1.0, 2, "per_round", seed=0),
+            tiers=(1.0, 0.25),
+            tier_average=rule,
+        )
+        gen = torch.Generator().manual_seed(11)
+        plan = fed.plan(1, ["a", "b"])
+        fed.begin(plan)
+        for cid, tier in (("a", 1.0), ("b", 0.25)):
+            local = {
+                n: t + 0.01 * torch.randn(t.shape, generator=gen) if t.is_floating_point() else t
+                for n, t in fed.tier_tensors(tier).items()
+            }
+            names = fed.tier_due(tier, plan.due)
+            fed.fold(ClientUpdate(cid, 50, tier, fed.tier_spec(tier), {n: local[n] for n in names}))
+        start = {n: t.clone() for n, t in fed.global_tensors.items()}
+        fed.close()
+        results[rule] = (start, fed.global_tensors)
+    start, held = results["held"]
+    _, aligned = results["aligned"]
+    low = spec.at_tier(0.25)
+    factorized = {t.full_name: t.shape[1] for t in low.tensors if t.full_name and t.role.endswith("_u")}
+    assert "layer4.1.conv2.weight" in factorized
+    for name, rank in factorized.items():
+        assert torch.isfinite(held[name]).all(), name
+        left, _, right_t = torch.linalg.svd(factored_matrix(start[name]).double(), full_matrices=False)
+        diff = factored_matrix(held[name]).double() - factored_matrix(aligned[name]).double()
+        scale = float(factored_matrix(aligned[name]).double().abs().max())
+        assert float((left[:, :rank].T @ diff).abs().max()) < 1e-5 * scale, name
+        assert float((diff @ right_t[:rank].T).abs().max()) < 1e-5 * scale, name
+        assert float(diff.abs().max()) > 1e-4 * scale, name
+    for name in spec.full().names:
+        if name not in factorized:
+            assert torch.equal(held[name], aligned[name]), name  # BN, biases, 1×1 shortcuts, the head
