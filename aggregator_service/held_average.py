@@ -37,7 +37,7 @@ class HeldAverage:
         self._global = global_tensors
         self._bases: dict[str, tuple[Tensor, Tensor]] = {}  # full name → (L, Rᵀ) of its matrix, float64
         self._unheld: dict[str, Tensor] = {}  # Σ_k p_k (1 − held_k) ⊙ Lᵀ X_k R
-        self._unheld_weight: dict[str, Tensor] = {}  # Σ_k p_k (1 − held_k)
+        self._rank_weights: dict[str, dict[int, float]] = {}  # rank → Σ p_k of the low-rank clients
 
     def fold(self, update: ClientUpdate, aligned: Mapping[str, Tensor], weight: float) -> None:
         """Record the entries ``update``'s factor pairs cannot move (``aligned``: its full-rank values)."""
@@ -55,9 +55,9 @@ class HeldAverage:
         in_basis = left.T @ factored_matrix(value).to(torch.float64) @ right_t.T
         if name not in self._unheld:
             self._unheld[name] = torch.zeros(size, size, dtype=torch.float64)
-            self._unheld_weight[name] = torch.zeros(size, size, dtype=torch.float64)
         self._unheld[name] += weight * torch.where(unheld, in_basis, 0.0)
-        self._unheld_weight[name] += weight * unheld
+        weights = self._rank_weights.setdefault(name, {})
+        weights[rank] = weights.get(rank, 0.0) + weight
 
     def correct(self, name: str, mean: Tensor, total: float) -> Tensor:
         """The holders' mean from the round's plain weighted ``mean`` (float64) of ``total`` weight."""
@@ -66,7 +66,8 @@ class HeldAverage:
         left, right_t = self._bases[name]
         matrix = factored_matrix(mean).to(torch.float64)
         in_basis = left.T @ matrix @ right_t.T
-        unheld_weight = self._unheld_weight[name]
+        size = in_basis.shape[0]
+        unheld_weight = sum(w * ~held_entries(size, r) for r, w in self._rank_weights[name].items())
         holders = total - unheld_weight
         # coordinates some but not all clients hold (sums of the same weights: compare with a tolerance)
         partial = (holders > total * 1e-9) & (unheld_weight > total * 1e-9)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -54,12 +55,11 @@ def load(shared: Shared) -> None:
         else:
             _check_config(shared, row.config)
         total = store.count_clients(s, row, include_revoked=False)
-        fed = shared.config.build_federation(num_clients_total=max(1, total))
         predates = {k: v for k, v in _KEYS_SINCE.items() if not created and k not in row.config}
         if predates:
-            fed.tier_init = predates.get("tier_init", fed.tier_init)
-            fed.tier_average = predates.get("tier_average", fed.tier_average)
             log.info(kv("federation_predates_keys", name=settings.federation_name, keeps=predates))
+        method = replace(shared.config, **predates) if predates else shared.config
+        fed = method.build_federation(num_clients_total=max(1, total))
         fed.bounds = settings.update_bounds
         if created:
             intervals = fed.policy.intervals()

@@ -23,11 +23,10 @@ ROWS, COLS, RANK = 128, 1024, 16  # fc1 at tier 1/8: round(128 / 8)
 WEIGHTS = {"a": 10, "b": 30}  # num_samples: FedAvg's weights
 
 
-def _round(
-    tier_average: str, tiers=(1.0, 0.125)
-) -> tuple[Federation, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    full = SPEC.full()
-    fed = Federation(
+def _federation(spec: ModelSpec, tiers, tier_average: str) -> Federation:
+    """Plain FedAvg, every tensor every round, both clients in every cohort."""
+    full = spec.full()
+    return Federation(
         full,
         FedAvg(),
         EveryRound(full.tensors),
@@ -35,6 +34,12 @@ def _round(
         tiers=tiers,
         tier_average=tier_average,
     )
+
+
+def _round(
+    tier_average: str, tiers=(1.0, 0.125)
+) -> tuple[Federation, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    fed = _federation(SPEC, tiers, tier_average)
     diagonal = torch.zeros(ROWS, COLS)
     diagonal[range(ROWS), range(ROWS)] = torch.linspace(3.0, 1.0, ROWS)
     fed.global_tensors["fc1.weight"] = diagonal
@@ -111,15 +116,7 @@ def test_resnet18_convs_differ_from_fedhms_average_only_where_the_low_tier_does_
     spec = ModelSpec("resnet18", 10, "lowrank")
     results = {}
     for rule in ("held", "aligned"):
-        full = spec.full()
-        fed = Federation(
-            full,
-            FedAvg(),
-            EveryRound(full.tensors),
-            CohortSampler(1.0, 2, "per_round", seed=0),
-            tiers=(1.0, 0.25),
-            tier_average=rule,
-        )
+        fed = _federation(spec, (1.0, 0.25), rule)
         gen = torch.Generator().manual_seed(11)
         plan = fed.plan(1, ["a", "b"])
         fed.begin(plan)
