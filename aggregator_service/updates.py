@@ -8,7 +8,7 @@ back to full rank (FedHM eq. 1) when it folds them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch import Tensor
@@ -40,6 +40,44 @@ class ClientUpdate:
     def full_tensors(self) -> dict[str, Tensor]:
         """The update at full rank (FedHM eq. 1): ``aligned`` when the server set it, else ``spec.to_full(tensors)``."""
         return dict(self.aligned) if self.aligned is not None else self.spec.to_full(self.tensors)
+
+    def modules(self) -> list[list[str]]:
+        """The update's tensor names grouped by module (``layer1.0.bn1.running_var`` → ``layer1.0.bn1``), in
+        the spec's order: what a strategy folds at once, so a factor pair, a BatchNorm's statistics and a
+        layer's atoms and coefficients stay together and the rest of the update need not be in memory."""
+        names = (
+            list(self.aligned)
+            if self.aligned is not None
+            else [t.name for t in self.spec.tensors if t.name in self.tensors]
+        )
+        groups: dict[str, list[str]] = {}
+        for name in names:
+            groups.setdefault(name.rpartition(".")[0], []).append(name)
+        return list(groups.values())
+
+    def full_module(self, names: Sequence[str]) -> dict[str, Tensor]:
+        """:meth:`full_tensors` of one of :meth:`modules` (the tensors ``names`` reads, nothing else)."""
+        if self.aligned is not None:
+            return {n: self.aligned[n] for n in names}
+        return self.spec.to_full({n: self.tensors[n] for n in names})
+
+    def check_shapes(self) -> None:
+        """Refuse tensors the client's tier does not have or whose shapes differ from it (before anything is
+        folded: a refused update changes nothing); read from ``tensors.shapes`` when a lazy mapping has it."""
+        if self.aligned is not None:
+            return  # set by the server at full rank, from tensors checked here
+        expected = {t.name: tuple(t.shape) for t in self.spec.tensors}
+        unknown = sorted(set(self.tensors) - set(expected))
+        if unknown:
+            raise ValueError(f"client {self.client_id}: tensors {unknown[:5]} are not part of {self.spec.describe()}")
+        shapes = getattr(self.tensors, "shapes", None)
+        for name in self.tensors:
+            shape = tuple(shapes[name]) if shapes is not None else tuple(self.tensors[name].shape)
+            if shape != expected[name]:
+                raise ValueError(
+                    f"client {self.client_id}: {name!r} has shape {shape}, its tier ({self.spec.describe()}) has "
+                    f"{expected[name]}"
+                )
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:

@@ -90,8 +90,12 @@ class WeightedMean:
             squares += float(torch.dot(delta, delta))
         return weight * (old_weight / total) * squares
 
-    def add(self, tensors: Mapping[str, Tensor], weight: float) -> None:
-        """Fold one contribution (e.g. one client's aligned tensors) with ``weight > 0``."""
+    def add(self, tensors: Mapping[str, Tensor], weight: float, *, part: bool = False) -> None:
+        """Fold one contribution (e.g. one client's aligned tensors) with ``weight > 0``.
+
+        ``part=True`` folds part of a contribution that arrives in several calls (a client's update
+        module by module); the caller then counts it once with :meth:`count_contribution`.
+        """
         weight = float(weight)
         if not (weight > 0.0 and math.isfinite(weight)):
             raise ValueError(f"weight must be positive and finite, got {weight}")
@@ -112,7 +116,12 @@ class WeightedMean:
             total = old_weight + weight
             self._m2[name] += self._fold(mean, x, weight, old_weight, total)
             self._weight[name] = total
-        self.total_weight += weight
+        if not part:
+            self.count_contribution(weight)
+
+    def count_contribution(self, weight: float) -> None:
+        """Count one contribution whose tensors were folded with ``add(..., part=True)``."""
+        self.total_weight += float(weight)
         self.count += 1
 
     @property

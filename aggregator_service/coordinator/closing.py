@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -120,6 +120,7 @@ class Closing:
         while True:
             drained: Counts = {}
             try:
+                release_free_memory()  # what the round's pushes left in the heap, before the close adds to it
                 with shared.lock:
                     fed = shared.federation.fork()
                 folded = self._fold(fed, op)
@@ -184,7 +185,7 @@ class Closing:
             if hasattr(fed.strategy, "num_clients_total"):  # SCAFFOLD's, FedDyn's, FedDC's N: clients enrolled now
                 fed.strategy.num_clients_total = max(1, store.count_clients(s, shared.fed_row, include_revoked=False))
             fed.begin(plan)
-            for header, tensors, deltas in store.iter_round_updates(s, shared.fed_row, plan.round):
+            for header, tensors, deltas in store.iter_round_updates(s, shared.fed_row, plan.round, lazy=True):
                 folded.add((header.client_id, header.update_id))
                 key, tier = members[header.client_id]
                 fed.fold(
@@ -193,13 +194,11 @@ class Closing:
                         num_samples=header.num_samples,
                         tier=tier,
                         spec=fed.tier_spec(tier),
-                        tensors={n: torch.from_numpy(a) for n, a in tensors.items()},
-                        control_delta=None if deltas is None else {n: torch.from_numpy(a) for n, a in deltas.items()},
+                        tensors=_AsTensors(tensors),
+                        control_delta=None if deltas is None else _AsTensors(deltas),
                         metrics=dict(header.metrics or {}),
                     )
                 )
-                # dropped before the next update is read: one update in memory at a time, not two
-                del tensors, deltas
         return folded
 
     def _round_metrics(self, fed: Federation, outcome: RoundOutcome) -> dict[str, Any]:
@@ -274,6 +273,24 @@ class Closing:
 
     def _quorum(self, cohort_size: int) -> int:
         return max(1, math.ceil(self.shared.settings.quorum * cohort_size - 1e-9))
+
+
+class _AsTensors(Mapping[str, torch.Tensor]):
+    """A stored update's arrays as tensors, each read from the store when looked up (never kept): a
+    strategy that folds module by module holds one layer of the update, not the whole of it."""
+
+    def __init__(self, stored: Mapping[str, Any]) -> None:
+        self._stored = stored
+        self.shapes = stored.shapes  # type: ignore[attr-defined]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return torch.from_numpy(self._stored[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
 
 
 def _cause(exc: BaseException) -> str:

@@ -25,7 +25,9 @@ The hooks, and who calls them (docs/strategies.md has a worked user strategy):
 ``local_tensors(spec)``
     Full-rank names never aggregated (they stay on the clients).
 ``begin`` / ``fold`` / ``finish``
-    One round, as above. ``finish`` returns the new values of the due tensors.
+    One round, as above. ``finish`` returns the new values of the due tensors. ``update.tensors``
+    may be a mapping that reads each tensor when it is looked up (the service's close): read it
+    a module at a time (:meth:`ClientUpdate.modules`) to hold no more of it than that.
 ``state_dict()`` / ``load_state_dict()``
     Server state that must survive a restart; written in the round-closing transaction. Entries
     named in :attr:`state_tensors` are ``{name: Tensor}`` groups, stored as tensor rows (kind =

@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from aggregator_service.strategies.base import RoundAccumulator
 from aggregator_service.strategies.scaffold import ScaffoldAccumulator
+from aggregator_service.updates import ClientUpdate
 from aggregator_service.weighted_mean import WeightedMean
 from fedcore.spec import ModelSpec
 
-__all__ = ["DriftAccumulator", "mean_drift", "trainable_shapes"]
+__all__ = ["DriftAccumulator", "DriftFold", "mean_drift", "trainable_shapes"]
 
 
 def trainable_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -30,6 +32,26 @@ class DriftAccumulator(ScaffoldAccumulator):
     """Adds the uniform mean of the clients' trainable tensors (and SCAFFOLD's controls, used by FedDC)."""
 
     uniform: WeightedMean = field(default_factory=WeightedMean)
+
+
+class DriftFold:
+    """FedDyn's and FedDC's fold: FedAvg's, plus each module's trainable tensors into the uniform sum.
+
+    A mixin before the strategy's FedAvg-derived base, whose ``fold`` and ``fold_module`` it extends.
+    """
+
+    def fold(self, acc: RoundAccumulator, update: ClientUpdate) -> None:
+        if not isinstance(acc, DriftAccumulator):
+            raise TypeError(f"{type(self).__name__}.fold needs the accumulator its begin returned")
+        super().fold(acc, update)  # type: ignore[misc]
+        acc.uniform.count_contribution(1.0)
+
+    def fold_module(
+        self, acc: RoundAccumulator, update: ClientUpdate, aligned: Mapping[str, Tensor], weight: float
+    ) -> None:
+        super().fold_module(acc, update, aligned, weight)  # type: ignore[misc]
+        trainable = trainable_shapes(update.spec)
+        acc.uniform.add({n: t for n, t in aligned.items() if n in trainable}, 1.0, part=True)  # type: ignore[attr-defined]
 
 
 def mean_drift(

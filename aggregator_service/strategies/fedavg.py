@@ -85,10 +85,13 @@ class FedAvg(Strategy):
         names = tuple(dict.fromkeys(due))
         return self._accumulator(names, {n: tuple(global_tensors[n].shape) for n in names})
 
-    def _aligned(self, acc: RoundAccumulator, update: ClientUpdate) -> dict[str, Tensor]:
-        """The update's due tensors at full rank, minus local ones; shapes checked."""
+    def _aligned(
+        self, acc: RoundAccumulator, update: ClientUpdate, names: Sequence[str] | None = None
+    ) -> dict[str, Tensor]:
+        """The update's due tensors (those among ``names``, one of :meth:`ClientUpdate.modules`; all by
+        default) at full rank, minus local ones; shapes checked."""
         try:
-            full = update.full_tensors()
+            full = update.full_tensors() if names is None else update.full_module(names)
         except KeyError as exc:
             raise ValueError(f"client {update.client_id}: {exc.args[0]}") from exc
         local = self.local_tensors(update.spec)
@@ -105,20 +108,34 @@ class FedAvg(Strategy):
         return out
 
     def fold(self, acc: RoundAccumulator, update: ClientUpdate) -> None:
+        """Fold ``update`` module by module: one module's tensors in memory at a time (a stored update is
+        read tensor by tensor, :func:`aggregator_service.store.iter_round_updates`), so a close holds the
+        float64 means and one layer, not a whole update more. Shapes are checked first: a refused update
+        changes nothing."""
         if update.client_id in acc.reported:
             raise ValueError(f"client {update.client_id} was already folded into this round")
-        aligned = self._aligned(acc, update)
+        update.check_shapes()
         weight = client_weight(update, self.weighting, self.temperature)
-        if acc.held is not None:
-            acc.held.fold(update, aligned, weight)
-        acc.tensors.add(second_moments(aligned) if self.bn_statistics == "precise" else aligned, weight)
-        acc.filters.add(effective_filters(aligned), weight)
+        for names in update.modules():
+            self.fold_module(acc, update, self._aligned(acc, update, names), weight)
+        acc.tensors.count_contribution(weight)
+        acc.filters.count_contribution(weight)
         acc.weights.append(weight)
         acc.client_ids.append(update.client_id)
         acc.reported.add(update.client_id)
         for key, value in update.metrics.items():
             acc.metric_sums[key] = acc.metric_sums.get(key, 0.0) + update.num_samples * float(value)
             acc.metric_weights[key] = acc.metric_weights.get(key, 0.0) + update.num_samples
+
+    def fold_module(
+        self, acc: RoundAccumulator, update: ClientUpdate, aligned: Mapping[str, Tensor], weight: float
+    ) -> None:
+        """Fold one module of ``update`` (its due tensors at full rank) with the client's ``weight``;
+        subclasses that keep more per client extend this, and count the client once in :meth:`fold`."""
+        if acc.held is not None:
+            acc.held.fold(update, aligned, weight)
+        acc.tensors.add(second_moments(aligned) if self.bn_statistics == "precise" else aligned, weight, part=True)
+        acc.filters.add(effective_filters(aligned), weight, part=True)
 
     def new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
         """The new global value from the clients' weighted mean (cast to the tensor's dtype, and in float64).

@@ -19,17 +19,17 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 from aggregator_service.strategies.base import RoundAccumulator, Setting
-from aggregator_service.strategies.drift import DriftAccumulator, mean_drift, trainable_shapes
+from aggregator_service.strategies.drift import DriftAccumulator, DriftFold, mean_drift, trainable_shapes
 from aggregator_service.strategies.feddyn import refuse_drift
 from aggregator_service.strategies.scaffold import Scaffold
 from aggregator_service.strategies.tensor_state import TensorState
-from aggregator_service.updates import AggregateResult, ClientUpdate
+from aggregator_service.updates import AggregateResult
 from fedcore.spec import ModelSpec
 
 __all__ = ["FedDC"]
 
 
-class FedDC(Scaffold):
+class FedDC(DriftFold, Scaffold):
     """FedDC with drift penalty ``alpha``: SCAFFOLD's controls plus the clients' mean drift."""
 
     name: ClassVar[str] = "feddc"
@@ -62,13 +62,6 @@ class FedDC(Scaffold):
 
     def _accumulator(self, due: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> RoundAccumulator:
         return DriftAccumulator(due, shapes)
-
-    def fold(self, acc: RoundAccumulator, update: ClientUpdate) -> None:
-        if not isinstance(acc, DriftAccumulator):
-            raise TypeError(f"{type(self).__name__}.fold needs the accumulator its begin returned")
-        super().fold(acc, update)
-        trainable = trainable_shapes(update.spec)
-        acc.uniform.add({n: t for n, t in self._aligned(acc, update).items() if n in trainable}, 1.0)
 
     def finish(self, acc: RoundAccumulator, global_tensors: Mapping[str, Tensor]) -> AggregateResult:
         if not isinstance(acc, DriftAccumulator):

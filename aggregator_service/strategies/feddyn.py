@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 from aggregator_service.strategies.base import RoundAccumulator, Setting
-from aggregator_service.strategies.drift import DriftAccumulator, mean_drift, trainable_shapes
+from aggregator_service.strategies.drift import DriftAccumulator, DriftFold, mean_drift, trainable_shapes
 from aggregator_service.strategies.fedavg import FedAvg
 from aggregator_service.strategies.tensor_state import TensorState
 from aggregator_service.updates import AggregateResult, ClientUpdate
@@ -41,7 +41,7 @@ def refuse_drift(name: str, setting: Setting) -> str | None:
     return None
 
 
-class FedDyn(FedAvg):
+class FedDyn(DriftFold, FedAvg):
     """FedDyn with weight ``alpha``; ``num_clients_total`` is ``N`` (the service keeps it current)."""
 
     name: ClassVar[str] = "feddyn"
@@ -78,13 +78,9 @@ class FedDyn(FedAvg):
         return DriftAccumulator(due, shapes)
 
     def fold(self, acc: RoundAccumulator, update: ClientUpdate) -> None:
-        if not isinstance(acc, DriftAccumulator):
-            raise TypeError(f"{type(self).__name__}.fold needs the accumulator its begin returned")
         if update.tier != 1.0:
             raise ValueError(f"client {update.client_id}: {self.name} needs full-rank (γ = 1) clients")
         super().fold(acc, update)
-        trainable = trainable_shapes(update.spec)
-        acc.uniform.add({n: t for n, t in self._aligned(acc, update).items() if n in trainable}, 1.0)
 
     def finish(self, acc: RoundAccumulator, global_tensors: Mapping[str, Tensor]) -> AggregateResult:
         if not isinstance(acc, DriftAccumulator):

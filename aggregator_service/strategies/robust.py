@@ -19,7 +19,7 @@ from torch import Tensor
 from aggregator_service.strategies.base import RoundAccumulator, Setting
 from aggregator_service.strategies.fedavg import FedAvg
 from aggregator_service.updates import AggregateResult, ClientUpdate
-from aggregator_service.weighted_mean import client_weight, is_float
+from aggregator_service.weighted_mean import is_float
 
 __all__ = ["CoordinateWise", "RobustAccumulator"]
 
@@ -51,8 +51,14 @@ class CoordinateWise(FedAvg):
         if not isinstance(acc, RobustAccumulator):
             raise TypeError(f"{type(self).__name__}.fold needs the accumulator its begin returned")
         super().fold(acc, update)
-        weight = client_weight(update, self.weighting, self.temperature)
-        for name, tensor in self._aligned(acc, update).items():
+
+    def fold_module(
+        self, acc: RoundAccumulator, update: ClientUpdate, aligned: Mapping[str, Tensor], weight: float
+    ) -> None:
+        super().fold_module(acc, update, aligned, weight)
+        if not isinstance(acc, RobustAccumulator):
+            raise TypeError(f"{type(self).__name__}.fold needs the accumulator its begin returned")
+        for name, tensor in aligned.items():
             if is_float(tensor.dtype):
                 acc.values.setdefault(name, []).append(tensor.detach().to(torch.float64))
                 acc.value_weights.setdefault(name, []).append(weight)

@@ -320,17 +320,51 @@ def store_update(
     return Update(id=pk, **header), False
 
 
+class StoredTensors(Mapping[str, np.ndarray]):
+    """One stored update's tensors of one kind, each read and decoded when looked up and never kept.
+
+    A close folds a resnet18-sized update module by module through this mapping, so it holds one
+    layer of the update besides its running means, not the whole update. ``shapes`` answers without
+    reading a tensor. Valid while the session that :func:`iter_round_updates` read from is open.
+    """
+
+    def __init__(self, conn: Any, pk: int, kind: str, meta: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+        self._conn, self._pk, self._kind, self._meta = conn, pk, kind, meta
+        self.shapes = {name: shape for name, (_, shape) in meta.items()}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        dtype, shape = self._meta[name]
+        data = self._conn.execute(_ONE_TENSOR, {"pk": self._pk, "kind": self._kind, "name": name}).scalar_one()
+        return _decode(name, dtype, shape, data)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._meta)
+
+    def __len__(self) -> int:
+        return len(self._meta)
+
+
+_T = UpdateTensor.__table__
+_ONE_TENSOR = select(_T.c.data).where(
+    _T.c.update_pk == bindparam("pk"), _T.c.kind == bindparam("kind"), _T.c.name == bindparam("name")
+)
+
+
 def iter_round_updates(
     session: Session,
     fed: Federation,
     round: int,
-) -> Iterator[tuple[Update, dict[str, np.ndarray], dict[str, np.ndarray] | None]]:
+    *,
+    lazy: bool = False,
+) -> Iterator[tuple[Update, Mapping[str, np.ndarray], Mapping[str, np.ndarray] | None]]:
     """The round's updates one by one, in registration order: ``(header, tensors, control_delta or None)``.
 
     Only the headers are read up front (detached from the session); each update's blobs are
     fetched when it is reached, so memory stays O(one update) however many clients reported.
+    ``lazy=True`` yields :class:`StoredTensors` instead of dicts: a tensor is read when it is looked
+    up, so a reader that takes one module at a time holds O(one layer).
     """
-    u, c, t = Update.__table__, Client.__table__, UpdateTensor.__table__
+    u, c, t = Update.__table__, Client.__table__, _T
     conn = session.connection()  # Core reads: a close reads every update of the round
     fields = ("id", "federation_id", "round", "client_id", "update_id", "num_samples", "metrics", "received_at")
     headers = conn.execute(
@@ -339,17 +373,27 @@ def iter_round_updates(
         .where(u.c.federation_id == fed.id, u.c.round == round)
         .order_by(c.c.number)
     ).all()
-    blobs = (
-        select(t.c.kind, t.c.name, t.c.dtype, t.c.shape_json, t.c.data)
-        .where(t.c.update_pk == bindparam("pk"))
-        .order_by(t.c.kind, t.c.name)
-    )
+    columns = (t.c.kind, t.c.name, t.c.dtype, t.c.shape_json)
+    blobs = select(*columns, t.c.data).where(t.c.update_pk == bindparam("pk")).order_by(t.c.kind, t.c.name)
+    headings = select(*columns).where(t.c.update_pk == bindparam("pk")).order_by(t.c.kind, t.c.name)
     for row in headers:
+        header = Update(**dict(zip(fields, row, strict=True)))
+        if lazy:
+            meta: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+            for kind, name, dtype, shape in conn.execute(headings, {"pk": row.id}):
+                meta.setdefault(kind, {})[name] = (dtype, tuple(shape))
+            control = next((k for k in meta if k != "model"), None)
+            yield (
+                header,
+                StoredTensors(conn, row.id, "model", meta.get("model", {})),
+                None if control is None else StoredTensors(conn, row.id, control, meta[control]),
+            )
+            continue
         model: dict[str, np.ndarray] = {}
         deltas: dict[str, np.ndarray] = {}
         for kind, name, dtype, shape, data in conn.execute(blobs, {"pk": row.id}):
             (model if kind == "model" else deltas)[name] = _decode(name, dtype, shape, data)
-        yield Update(**dict(zip(fields, row, strict=True))), model, (deltas or None)
+        yield header, model, (deltas or None)
 
 
 def count_updates(session: Session, fed: Federation, round: int) -> int:

@@ -229,6 +229,42 @@ def test_iter_round_updates_in_client_order_one_at_a_time(db, world):
         assert store.reported_clients(s, world.fed, 1) == sorted(world.clients)
 
 
+def test_lazy_updates_read_a_tensor_when_it_is_looked_up(db, world):
+    """``lazy=True`` (what a close folds from): headings only up front, one row per lookup, nothing kept;
+    the values are the eager read's, byte for byte, including the 0-d tensor and the control delta."""
+    pushed = {cid: {**_tensors(float(i)), "step": np.array(7 + i, np.int64)} for i, cid in enumerate(world.clients)}
+    control = {"w": np.full((3, 2), -1.5, np.float32)}
+    for i, cid in enumerate(world.clients):
+        with db.factory.begin() as s:
+            store.store_update(s, world.fed, 1, cid, f"u-{i}", 10, {}, pushed[cid], control if i == 1 else None)
+    reads: list[str] = []
+
+    def count(conn, cursor, statement, *rest):
+        if "update_tensors.data" in statement:
+            reads.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", count)
+    try:
+        with db.factory() as s:
+            for header, tensors, deltas in store.iter_round_updates(s, world.fed, 1, lazy=True):
+                assert reads == []  # shapes without a blob
+                assert tensors.shapes == {"n": (1,), "step": (), "w": (3, 2)}
+                for name, array in pushed[header.client_id].items():
+                    got = tensors[name]
+                    assert got.shape == array.shape and got.dtype == array.dtype and got.tobytes() == array.tobytes()
+                assert len(reads) == 3  # one row per lookup
+                assert tensors["w"] is not tensors["w"] and len(reads) == 5  # never cached: read again
+                reads.clear()
+                if header.client_id == world.clients[1]:
+                    assert deltas is not None and set(deltas) == {"w"}
+                    assert deltas["w"].tobytes() == control["w"].tobytes()
+                    reads.clear()
+                else:
+                    assert deltas is None
+    finally:
+        event.remove(db.engine, "before_cursor_execute", count)
+
+
 def test_push_racing_a_close_is_refused_not_lost(db, world):
     """The coordinator holds the round lock while it aggregates; a push arriving then waits and is refused."""
     a, b, _ = world.clients

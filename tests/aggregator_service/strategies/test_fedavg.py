@@ -211,3 +211,77 @@ def test_the_federation_sets_bn_statistics_on_both_sides(mode: str) -> None:
     config = FederationConfig(model="resnet18", strategy="fedavgm", bn_statistics=mode)
     assert config.train_config().bn_statistics == mode  # what clients are told to push
     assert config.build_federation(4).strategy.bn_statistics == mode  # how the server combines it
+
+
+# --------------------------------------------------------------------------- one module at a time
+
+
+class _Watched(dict):
+    """An update's tensors handed out as fresh copies, as the store's lazy mapping does, counting the bytes
+    of copies still alive (a copy dies when the folding code drops it) and their peak."""
+
+    def __init__(self, tensors: dict[str, Tensor], meter: dict[str, int]) -> None:
+        super().__init__(tensors)
+        self.shapes = {n: tuple(t.shape) for n, t in tensors.items()}
+        self.meter = meter
+
+    def __getitem__(self, name: str) -> Tensor:
+        import weakref
+
+        copy = super().__getitem__(name).clone()
+        nbytes = copy.numel() * copy.element_size()
+        self.meter["live"] += nbytes
+        self.meter["peak"] = max(self.meter["peak"], self.meter["live"])
+        self.meter["lookups"] += 1
+        weakref.finalize(copy, lambda: self.meter.__setitem__("live", self.meter["live"] - nbytes))
+        return copy
+
+    def items(self):  # type: ignore[override]
+        return ((n, self[n]) for n in self)
+
+    def values(self):  # type: ignore[override]
+        return (self[n] for n in self)
+
+
+def test_a_resnet18_update_is_folded_holding_one_layer_of_it_at_a_time() -> None:
+    """The close folds stored updates read tensor by tensor: what the fold holds of an update at once is one
+    module (here a conv's weight, at most 9.4 MB), not the model (44.7 MB); the means are the batch means."""
+    spec = ModelSpec("resnet18", 10, "none")
+    gen = torch.Generator().manual_seed(3)
+    clients = [random_tensors(spec, gen) for _ in range(3)]
+    samples = [10, 30, 20]
+    global_tensors = {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in spec.tensors}
+    meter = {"live": 0, "peak": 0, "lookups": 0}
+    updates = [
+        update(spec, _Watched(t, meter), n, f"c{i}") for i, (t, n) in enumerate(zip(clients, samples, strict=True))
+    ]
+    result = run_round(FedAvg(bn_statistics="running"), global_tensors, updates)
+    largest = max(t.numel() * 4 for t in clients[0].values())
+    model = sum(t.numel() * t.element_size() for t in clients[0].values())
+    assert largest == 512 * 512 * 9 * 4 and model > 4 * largest
+    assert meter["lookups"] == 3 * len(spec.tensors)  # each tensor read once
+    assert meter["peak"] <= largest, (meter["peak"], largest, model)
+    for name in ("conv1.weight", "layer4.1.conv2.weight", "layer2.0.bn1.running_var", spec.tensors[-1].name):
+        expected, _ = batch_mean([c[name] for c in clients], samples)
+        torch.testing.assert_close(result.tensors[name], expected.to(torch.float32), rtol=1e-6, atol=1e-6)
+
+
+def test_an_update_with_a_wrong_shape_is_refused_before_anything_is_folded() -> None:
+    """The shapes are checked (from the lazy mapping's ``shapes``, without reading a tensor) before the first
+    module is folded: the refused update leaves the round as if it never came."""
+    spec = DIGITS
+    gen = torch.Generator().manual_seed(5)
+    good, bad = random_tensors(spec, gen), random_tensors(spec, gen)
+    last = spec.tensors[-1].name
+    bad[last] = torch.zeros((*bad[last].shape, 1))
+    global_tensors = {t.name: torch.zeros(t.shape) for t in spec.tensors}
+    meter = {"live": 0, "peak": 0, "lookups": 0}
+    strategy = FedAvg()
+    acc = strategy.begin(global_tensors, list(global_tensors))
+    with pytest.raises(ValueError, match=f"{last!r} has shape"):
+        strategy.fold(acc, update(spec, _Watched(bad, meter), 10, "bad"))
+    assert meter["lookups"] == 0
+    strategy.fold(acc, update(spec, good, 10, "good"))
+    result = strategy.finish(acc, global_tensors)
+    for name, value in good.items():
+        assert torch.equal(result.tensors[name], value), name
