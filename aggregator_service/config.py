@@ -343,6 +343,12 @@ class AggregatorSettings(TomlSettings):
     #: (clients retry). Registration is rare, and a flood of them (wrong secrets included) must not take the
     #: threads that serve enrolled clients' heartbeats, task polls and pushes.
     max_concurrent_registrations: int = Field(default=2, ge=1)
+    #: A caller (peer host) whose authentication failed more than a few times lately (wrong enrollment
+    #: secret, unknown or revoked token) has each further refusal held this long before it is sent, so a
+    #: flood of guesses waits instead of taking the CPU enrolled clients need; 0: refusals answered at once.
+    refusal_delay_seconds: float = Field(default=1.0, ge=0.0, le=60.0)
+    #: Most refusals held at once (each on a server thread of its own, beyond the workers); past it, answered at once.
+    refusal_waiters: int = Field(default=128, ge=0)
     #: Largest PushUpdate payload accepted; unset: 2 × the full model's float32 bytes.
     max_push_bytes: int | None = Field(default=None, gt=0)
     #: Largest sample count a client may declare at Register; a push may claim no more than its client

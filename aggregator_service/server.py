@@ -33,6 +33,7 @@ from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
 from aggregator_service.coordinator import ClientInfo, Coordinator, Done, OpenRound, PushResult, Train, kv
 from aggregator_service.errors import InvalidArgument, ServiceError, Unauthenticated, Unavailable
 from aggregator_service.logfmt import configure_logging
+from aggregator_service.tarpit import Tarpit
 from fedcore import codec
 from fedcore.tiers import CapabilityProfile
 from fedwire import framing
@@ -86,6 +87,9 @@ def _rpc(fn: _F) -> _F:
     def wrapper(self: AggregatorServicer, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return fn(self, request, context)
+        except Unauthenticated as exc:
+            self.tarpit.refused(context.peer())  # a guesser waits for its answer (aggregator_service/tarpit.py)
+            _handle(context, exc, fn.__name__)
         except grpc.RpcError:
             # a request stream's iterator raises this when the call ended under it: the client cancelled
             # or broke off (a bad link), or gRPC refused a message. The client already has its status, and
@@ -112,6 +116,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         # registrations at once, and as many waiting: a flood of them leaves every other worker to enrolled clients
         n = settings.max_concurrent_registrations
         self._registrations = Gate(n, n)
+        self.tarpit = Tarpit(settings.refusal_delay_seconds, settings.refusal_waiters)
         self.settings = settings
         self.push_limit = settings.push_limit
         self.fp16 = settings.federation.fp16
@@ -228,6 +233,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         except Exception as exc:
             if _is_abort(exc):
                 raise
+            if isinstance(exc, Unauthenticated):
+                self.tarpit.refused(context.peer())
             _handle(context, exc, "FetchModel")
         sent: dict[str, int] = {}
 
@@ -463,9 +470,11 @@ def build_server(
     Returns ``(server, port, coordinator)``; ``port`` is the bound port (useful with ``:0``).
     """
     coordinator = coordinator or Coordinator.from_settings(settings)
-    # held GetTask calls (long polls) take at most long_poll_waiters threads: the workers stay for the rest
+    # held GetTask calls (long polls) and held refusals take at most long_poll_waiters and refusal_waiters
+    # threads: the workers stay for the rest
+    held = settings.long_poll_waiters + settings.refusal_waiters
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers + settings.long_poll_waiters, thread_name_prefix="rpc"),
+        futures.ThreadPoolExecutor(max_workers=max_workers + held, thread_name_prefix="rpc"),
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

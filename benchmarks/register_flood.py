@@ -4,7 +4,12 @@ Three processes: the aggregator (production PBKDF2 iterations, default workers),
 threads calling Register with a wrong secret as fast as they are answered) and this one, which times
 enrolled clients' Heartbeats. Target (issue 18, item 5): p99 under the flood ≤ 2 × idle p99.
 
-    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/register_flood.py
+What keeps the flood off the CPU is the tarpit (``aggregator_service/tarpit.py``): past a burst of 5,
+each refusal to the flooding host is held ``refusal_delay_seconds`` on a thread beyond the workers, so
+the flood's threads wait instead of calling. ``--refusal-delay 0`` runs the aggregator without it (every
+refusal answered at once), for the figure it replaces.
+
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/register_flood.py [--refusal-delay 0]
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 SECRET = "bench-enrollment-secret"
 
 
-def serve(url: str) -> None:
+def serve(url: str, refusal_delay: float | None) -> None:
     settings = AggregatorSettings(
         listen="127.0.0.1:0",
         database_url=url,
         enrollment_secret=SECRET,
+        **({} if refusal_delay is None else {"refusal_delay_seconds": refusal_delay}),
         federation=FederationConfig(model="digits-cnn", min_clients=100, rounds=1),
     )
     store.upgrade(url)
@@ -94,17 +100,26 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=48, help="flood threads (wrong-secret Register calls)")
     parser.add_argument("--clients", type=int, default=4, help="enrolled clients whose Heartbeats are timed")
     parser.add_argument("--beats", type=int, default=500, help="Heartbeats timed in each phase")
+    parser.add_argument(
+        "--refusal-delay",
+        type=float,
+        help="the aggregator refusal_delay_seconds (unset: its default; 0: no tarpit)",
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--flood", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        return serve(args.serve)
+        return serve(args.serve, args.refusal_delay)
     if args.flood:
         return flood(args.flood, args.threads)
     with tempfile.TemporaryDirectory(prefix="fedatoms-flood-") as tmp:
         url = f"sqlite:///{Path(tmp) / 'bench.db'}"
         server = subprocess.Popen(
-            [sys.executable, __file__, "--serve", url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [sys.executable, __file__, "--serve", url]
+            + ([] if args.refusal_delay is None else ["--refusal-delay", str(args.refusal_delay)]),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         try:
             port = int(server.stdout.readline().split()[1])
@@ -142,7 +157,8 @@ def main() -> None:
     print(f"Heartbeat, {args.clients} enrolled clients, {args.beats} calls per phase")
     print(f"  idle:  p50 {p50_idle:.2f} ms  p99 {p99_idle:.2f} ms")
     print(f"  flood: p50 {p50_flood:.2f} ms  p99 {p99_flood:.2f} ms  ({args.threads} threads of wrong-secret Register)")
-    print(f"  flood answers over the whole flood (~{elapsed + 1:.1f} s): {codes}")
+    delay = AggregatorSettings().refusal_delay_seconds if args.refusal_delay is None else args.refusal_delay
+    print(f"  flood answers over the whole flood (~{elapsed + 1:.1f} s, refusal_delay_seconds = {delay:g}): {codes}")
     print(f"  p99 ratio flood/idle: {p99_flood / p99_idle:.2f} (target ≤ 2)")
     print(f"  p50 ratio flood/idle: {p50_flood / p50_idle:.2f}")
 

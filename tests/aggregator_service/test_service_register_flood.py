@@ -91,3 +91,42 @@ def test_a_wrong_secret_flood_leaves_enrolled_clients_served(request, backend) -
     finally:
         channel.close()
         server.stop(grace=None)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_guesser_waits_for_its_refusals_and_enrolled_clients_do_not(request, backend) -> None:
+    """Past a burst of 5 refusals per host, each further wrong secret or token is answered after
+    ``refusal_delay_seconds`` (still UNAUTHENTICATED, nothing written); a correct token never waits."""
+    import time
+
+    from grpc_helpers import start_aggregator
+
+    delay = 2.0
+    service = start_aggregator(request.getfixturevalue(f"{backend}_url"), refusal_delay_seconds=delay)
+    try:
+        stub = service.stub
+        enrolled = register(stub, 1.0, shards(1)[0])
+
+        def timed(call) -> tuple[object, float]:
+            t0 = time.monotonic()
+            return call(), time.monotonic() - t0
+
+        guesses = [timed(lambda: _wrong(stub)) for _ in range(7)]
+        assert [code for code, _ in guesses] == [grpc.StatusCode.UNAUTHENTICATED] * 7
+        assert all(seconds < delay for _, seconds in guesses[:5]), guesses  # the burst: answered at once
+        assert all(seconds >= delay for _, seconds in guesses[5:]), guesses  # then held
+
+        def forged() -> grpc.StatusCode:
+            try:
+                stub.Heartbeat(pb.HeartbeatRequest(), metadata=(("authorization", "Bearer forged"),), timeout=30)
+            except grpc.RpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+        code, seconds = timed(forged)  # a wrong token is a guess too, from the same host
+        assert code == grpc.StatusCode.UNAUTHENTICATED and seconds >= delay
+        reply, seconds = timed(lambda: stub.Heartbeat(pb.HeartbeatRequest(), metadata=enrolled.auth, timeout=30))
+        assert reply.server_time_unix > 0 and seconds < delay
+        assert _clients(service.url) == 1
+    finally:
+        service.stop()
