@@ -61,6 +61,10 @@ def _same(a: Any, b: Any, path: str) -> None:
         assert set(a) == set(b), path
         for k in a:
             _same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{path}[{i}]")
     elif isinstance(a, float) and isinstance(b, float):
         assert math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15), (path, a, b)
     else:
