@@ -404,7 +404,36 @@ def _credentials(settings: AggregatorSettings) -> grpc.ServerCredentials:
 
     pair = (read(settings.tls_key, "tls_key"), read(settings.tls_cert, "tls_cert"))
     ca = read(settings.tls_client_ca, "tls_client_ca") if settings.tls_client_ca is not None else None
+    check_tls_files(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
     return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def check_tls_files(cert: Path, key: Path, client_ca: Path | None) -> None:
+    """Say which TLS file is wrong, and how, before gRPC is given them: gRPC only fails to bind
+    ("Failed to bind …"), which reads as a port in use. Checked with OpenSSL through :mod:`ssl`."""
+    import ssl
+
+    def no_password() -> bytes:
+        raise ValueError(f"tls_key {key} is encrypted: give the aggregator an unencrypted PEM key")
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_verify_locations(cafile=str(cert))
+    except ssl.SSLError as exc:
+        raise ValueError(f"tls_cert {cert} is not a PEM certificate ({exc.reason or exc})") from exc
+    try:
+        ctx.load_cert_chain(str(cert), str(key), password=no_password)
+    except ssl.SSLError as exc:
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise ValueError(f"tls_key {key} is not the private key of tls_cert {cert}: they do not match") from exc
+        raise ValueError(f"tls_key {key} is not a PEM private key ({exc.reason or exc})") from exc
+    if client_ca is not None:
+        try:
+            ctx.load_verify_locations(cafile=str(client_ca))
+        except ssl.SSLError as exc:
+            raise ValueError(
+                f"tls_client_ca {client_ca} is not a PEM bundle of CA certificates ({exc.reason or exc})"
+            ) from exc
 
 
 def _add_servicer(servicer: AggregatorServicer, server: grpc.Server) -> None:

@@ -324,3 +324,36 @@ def test_client_run_without_tls_ca_against_a_tls_server_says_it_speaks_tls(
     line = [ln for ln in err.splitlines() if "speaks TLS" in ln]
     assert len(line) == 1 and "--tls-ca" in line[0] and f"127.0.0.1:{svc.port}" in line[0], err
     assert snapshot(sqlite_url)["clients"] == []  # nothing registered
+
+
+@pytest.mark.parametrize(
+    ("files", "says"),
+    [
+        ({"tls_cert": "server.pem", "tls_key": "client.key"}, "is not the private key of tls_cert"),
+        ({"tls_cert": "server.pem", "tls_key": "server.key", "tls_client_ca": "notes.txt"}, "is not a PEM bundle"),
+        ({"tls_cert": "notes.txt", "tls_key": "server.key"}, "is not a PEM certificate"),
+        ({"tls_cert": "server.pem", "tls_key": "notes.txt"}, "is not a PEM private key"),
+    ],
+)
+def test_wrong_tls_files_are_named_not_taken_for_a_port_in_use(pki: Path, tmp_path: Path, files, says) -> None:
+    """A key of another certificate, or a file that is not PEM, stops `aggregator serve` with exit 2 and a line
+    naming the file and what is wrong with it (gRPC alone only fails to bind, which reads as a port in use)."""
+    import sys
+
+    (pki / "notes.txt").write_text("not a certificate\n")
+    config = tmp_path / "aggregator.toml"
+    config.write_text(
+        f'listen = "127.0.0.1:0"\ndatabase_url = "sqlite:///{tmp_path / "agg.db"}"\n'
+        + "".join(f'{key} = "{pki / name}"\n' for key, name in files.items())
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "fedatoms", "aggregator", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert says in last and "port in use" not in done.stderr, last
+    named = next(pki / name for key, name in files.items() if key in last.split(" ", 3)[2])
+    assert str(named) in last, last
