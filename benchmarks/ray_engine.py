@@ -11,9 +11,11 @@ Runs, each engine in a process of its own (the Ray one starts a local Ray with `
   and after the gRPC run (whose driver also hosts the aggregator).
 - 10 clients, fraction 1, digits-cnn (about 150k parameters), one SGD step each on its shard
   (batch size above the shard, ``lr = 1e-9``: next to no training work), 5 rounds: per-round
-  time. Flower's Ray engine takes 0.21 s for a round of this shape on the reference machine.
+  time. Flower's Ray engine took 0.21 s for a round of this shape on the reference machine; with
+  ``--flower-python PY`` (an interpreter with Flower, ``benchmarks/flower_round.py``) it is timed in
+  the same run, on the same shape's tensors, and the ratio printed.
 
-``python benchmarks/ray_engine.py`` (add ``--cpus N``); ``nice`` it on a shared machine.
+``python benchmarks/ray_engine.py`` (add ``--cpus N``, ``--flower-python PY``); ``nice`` it on a shared machine.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def run_engine(engine: str, cpus: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray (and cores compared) [2]")
+    parser.add_argument("--flower-python", help="a Python with flwr[simulation] 1.42: time Flower's round in this run")
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # one engine's run, in a process of its own
     args = parser.parse_args()
     if args.engine:
@@ -114,6 +117,23 @@ def main() -> None:
         f"ray {ray_['shape']:.3f} s/round, local {local['shape']:.3f} s/round (Flower's Ray engine: 0.21 s)"
     )
     print(f"  per round, ray: {', '.join(f'{s:.3f}' for s in ray_['shape_rounds'])}")
+    if args.flower_python:
+        shapes = [list(t.shape) for t in build_model("digits-cnn", num_classes=10).state_dict().values()]
+        script = str(ROOT / "benchmarks" / "flower_round.py")
+        done = subprocess.run(
+            [args.flower_python, script, "--shapes", json.dumps(shapes), "--cpus", str(args.cpus)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            check=False,
+        )
+        if done.returncode != 0:
+            sys.exit(f"Flower run failed:\n{done.stderr[-4000:]}")
+        flower = json.loads(done.stdout.strip().splitlines()[-1])
+        print(
+            f"  Flower {flower['flwr']} Ray engine, same shape, this run: {flower['per_round']:.3f} s/round; "
+            f"ray / Flower {ray_['shape'] / flower['per_round']:.2f}× (target < 1)"
+        )
 
 
 if __name__ == "__main__":
