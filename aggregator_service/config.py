@@ -18,7 +18,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from aggregator_service.held_average import TIER_AVERAGES
-from aggregator_service.intervals import HOLD_COHORT, PROTECT, build_policy
+from aggregator_service.intervals import HOLD_COHORT, PROTECT, build_policy, warmup_for
 from aggregator_service.listen import is_loopback, split_listen
 from aggregator_service.refactorization import TIER_INITS
 from aggregator_service.rounds import CohortSampler, Federation
@@ -92,6 +92,9 @@ class FederationConfig:
     # FedLAMA: relax nothing before this round (the official code's first adjustment follows 6 τ' rounds;
     # 0 is the paper's Algorithm 1), and keep a cohort for φτ' rounds only while something is relaxed
     warmup_rounds: int = 6
+    #: how warmup_rounds reads at other φ: "periods" (3 adjustment periods at any φ, as 6 rounds are at φ = 2)
+    #: or "rounds" (warmup_rounds rounds at any φ, the official code)
+    lama_warmup: str = "periods"
     hold_cohort: str = "while_relaxed"
     lama_protect: str = "head_and_first"
     personal_atoms: bool = False
@@ -149,6 +152,7 @@ class FederationConfig:
             raise ValueError(f"tier_init must be one of {', '.join(TIER_INITS)}, got {self.tier_init!r}")
         if self.tier_average not in TIER_AVERAGES:
             raise ValueError(f"tier_average must be one of {', '.join(TIER_AVERAGES)}, got {self.tier_average!r}")
+        warmup_for(self.warmup_rounds, self.phi, self.lama_warmup)  # an unknown rule fails now
         if self.hold_cohort not in HOLD_COHORT:
             raise ValueError(f"hold_cohort must be one of {', '.join(HOLD_COHORT)}, got {self.hold_cohort!r}")
         if self.interval_policy == "fixed" and self.factorization not in ("atoms", "atoms-lowrank"):
@@ -251,7 +255,7 @@ class FederationConfig:
             return {
                 "tau_base": self.tau,
                 "phi": self.phi,
-                "warmup_rounds": self.warmup_rounds,
+                "warmup_rounds": warmup_for(self.warmup_rounds, self.phi, self.lama_warmup),
                 "hold_cohort": self.hold_cohort,
                 "protect": self.lama_protect,
             }

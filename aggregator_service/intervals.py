@@ -50,6 +50,7 @@ from fedcore.spec import ROLES, TensorSpec
 __all__ = [
     "DEFAULT_SLOW_ROLES",
     "HOLD_COHORT",
+    "LAMA_WARMUPS",
     "POLICIES",
     "PROTECT",
     "EveryRound",
@@ -63,6 +64,7 @@ __all__ = [
     "lama_adjust",
     "lama_trace",
     "protected_modules",
+    "warmup_for",
 ]
 
 STATE_FORMAT = 1
@@ -361,6 +363,19 @@ class FixedSchedule(IntervalPolicy):
 #: intervals) or "while_relaxed" (kept for φτ' rounds only while some tensor has the long interval;
 #: resampled every τ' rounds while every tensor syncs every τ', e.g. during the warm-up).
 HOLD_COHORT = ("sync_period", "while_relaxed")
+#: How ``warmup_rounds`` reads at φ other than 2: "periods" (the official code's 6 τ'-rounds are 3
+#: adjustment periods at its φ = 2: the same 3 periods, ``warmup_rounds · φ / 2`` rounds, at any φ) or
+#: "rounds" (``warmup_rounds`` rounds at any φ, the official code's rule).
+LAMA_WARMUPS = ("periods", "rounds")
+
+
+def warmup_for(warmup_rounds: int, phi: int, rule: str) -> int:
+    """The rounds FedLAMA relaxes nothing in: ``warmup_rounds`` read by ``rule`` (:data:`LAMA_WARMUPS`)."""
+    if rule not in LAMA_WARMUPS:
+        raise ValueError(f"lama_warmup must be one of {', '.join(LAMA_WARMUPS)}, got {rule!r}")
+    return warmup_rounds if rule == "rounds" else (warmup_rounds * phi + 1) // 2
+
+
 #: Which tensors FedLAMA never relaxes beyond the kernels-only rule: "none" (the paper and its code) or
 #: "head_and_first" (every tensor of the head and of the first layer with a kernel stay at τ').
 PROTECT = ("none", "head_and_first")

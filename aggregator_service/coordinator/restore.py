@@ -33,7 +33,7 @@ _MUTABLE_CONFIG_KEYS = frozenset({"rounds"})
 
 #: method keys added after federations were stored, with the behaviour a federation stored without
 #: one ran with: it keeps that behaviour across an upgrade instead of being refused or changed
-_KEYS_SINCE: dict[str, Any] = {"tier_init": "truncated", "tier_average": "aligned"}
+_KEYS_SINCE: dict[str, Any] = {"tier_init": "truncated", "tier_average": "aligned", "lama_warmup": "rounds"}
 
 
 def load(shared: Shared) -> None:

@@ -144,6 +144,11 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--phi", type=int, help="FedLAMA interval factor φ")
     g.add_argument("--warmup-rounds", type=int, help="FedLAMA: no interval adjustment at or before this round [6]")
     g.add_argument(
+        "--lama-warmup",
+        choices=["periods", "rounds"],
+        help="FedLAMA: --warmup-rounds as 3 adjustment periods at any φ (warmup·φ/2 rounds; default), or as rounds",
+    )
+    g.add_argument(
         "--hold-cohort",
         choices=["while_relaxed", "sync_period"],
         help="FedLAMA: keep a cohort for φτ' rounds only while a tensor is relaxed, or always (the paper)",

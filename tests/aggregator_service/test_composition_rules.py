@@ -80,6 +80,7 @@ def test_cohort_is_held_only_while_something_is_relaxed() -> None:
         ("cohort", ("per_round", "period")),
         ("tier_init", ("energy", "truncated")),
         ("tier_average", ("held", "aligned")),
+        ("lama_warmup", ("periods", "rounds")),
     ],
 )
 def test_plain_fedavg_record_is_the_same_under_either_rule(key: str, values: tuple[str, str]) -> None:
@@ -88,6 +89,36 @@ def test_plain_fedavg_record_is_the_same_under_either_rule(key: str, values: tup
     a, b = (run_simulation(SimulationConfig(**common, **{key: v}))["rounds"] for v in values)
     strip = lambda rs: [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rs]  # noqa: E731
     assert strip(a) == strip(b)
+
+
+@pytest.mark.parametrize(
+    ("phi", "periods", "rounds"),
+    # hand-derived: the official code's 6 rounds are 3 adjustment periods of φ = 2 rounds; "periods" keeps
+    # 3 periods of φ·τ' (τ' = 1) rounds at every φ, "rounds" keeps 6 rounds at every φ
+    [(1, 3, 6), (2, 6, 6), (3, 9, 6), (4, 12, 6)],
+)
+def test_fedlama_warms_up_for_three_adjustment_periods_at_any_phi(phi: int, periods: int, rounds: int) -> None:
+    for rule, expected in (("periods", periods), ("rounds", rounds)):
+        config = SimulationConfig(interval_policy="fedlama", phi=phi, lama_warmup=rule)
+        policy = config.build_federation(num_clients_total=10).policy
+        assert policy.warmup_rounds == expected, (phi, rule)
+
+
+def test_fedlama_relaxes_nothing_in_its_warmup_at_phi_4() -> None:
+    """φ = 4, 18 rounds: under "periods" every tensor syncs every round through round 12 (the warm-up) and the
+    first adjustment (round 16) relaxes something; under "rounds" (6) the one at round 8 does (digits, seed 0)."""
+    common = {"rounds": 18, "clients": 6, "fraction": 1.0, "local_epochs": 1, "seed": 0, "lr": 0.05}
+    common |= {"factorization": "atoms", "interval_policy": "fedlama", "phi": 4}
+    for rule in ("periods", "rounds"):
+        records = run_simulation(SimulationConfig(**common, lama_warmup=rule))["rounds"]
+        # a record shows the intervals its round's close set: the first adjustment's round, 16 or 8
+        relaxed = [r["round"] for r in records if any(t["interval"] > 1 for t in r["tensors"].values())]
+        assert relaxed and (min(relaxed) > 12 if rule == "periods" else min(relaxed) <= 12), (rule, relaxed)
+
+
+def test_an_unknown_lama_warmup_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match="lama_warmup must be one of periods, rounds"):
+        SimulationConfig(interval_policy="fedlama", lama_warmup="epochs")
 
 
 def test_an_unknown_tier_init_is_refused_naming_the_choices() -> None:

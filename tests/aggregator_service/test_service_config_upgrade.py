@@ -1,6 +1,6 @@
 """A federation stored before a method key existed keeps the behaviour it ran with across an upgrade.
 
-``tier_init`` and ``tier_average`` came after federations were stored: one stored without them
+``tier_init``, ``tier_average`` and ``lama_warmup`` came after federations were stored: one stored without them
 restarts (not refused as "a different method") and keeps FedHM's truncated cut and aligned
 average; one stored with a value is held to it.
 """
@@ -54,3 +54,16 @@ def test_a_stored_tier_init_is_held_against_another_configured_one(backend, requ
     start_service(url, small_federation(tier_init="truncated")).stop()
     with pytest.raises(ValueError, match="tier_init: stored 'truncated', configured 'energy'"):
         start_service(url, small_federation())
+
+
+@pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
+def test_a_fedlama_federation_stored_before_lama_warmup_keeps_its_warmup_in_rounds(backend, request, start_service):
+    """``lama_warmup`` came later too: a φ = 4 federation stored without it keeps 6 warm-up rounds (the rule it
+    ran with), where a new one warms up for 3 adjustment periods (12 rounds)."""
+    url = request.getfixturevalue(backend)
+    # as an earlier version stored it: warm-up in rounds, its policy state saved with 6
+    start_service(url, small_federation(interval_policy="fedlama", phi=4, lama_warmup="rounds")).stop()
+    _drop_stored_keys(url, "lama_warmup")
+    fed = start_service(url, small_federation(interval_policy="fedlama", phi=4)).coordinator.shared.federation
+    assert fed.policy.warmup_rounds == 6  # not refused, not changed
+    assert small_federation(interval_policy="fedlama", phi=4).build_federation(1).policy.warmup_rounds == 12
