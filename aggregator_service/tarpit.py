@@ -55,7 +55,6 @@ class Tarpit:
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(waiters) if waiters else None
         self._tokens: OrderedDict[str, tuple[float, float]] = OrderedDict()  # host → (tokens, as of when)
-        self.held = 0  # refusals held so far (for logs and tests)
 
     def refused(self, peer: str) -> float:
         """Called before a refusal for failed authentication is sent: holds it when ``peer``'s host has
@@ -75,7 +74,6 @@ class Tarpit:
         if free or not self._slots.acquire(blocking=False):
             return 0.0
         try:
-            self.held += 1
             self._sleep(self.delay)
         finally:
             self._slots.release()

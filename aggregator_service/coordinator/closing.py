@@ -286,6 +286,9 @@ class _AsTensors(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         return torch.from_numpy(self._stored[name])
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._stored
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._stored)
 

@@ -337,6 +337,9 @@ class StoredTensors(Mapping[str, np.ndarray]):
         data = self._conn.execute(_ONE_TENSOR, {"pk": self._pk, "kind": self._kind, "name": name}).scalar_one()
         return _decode(name, dtype, shape, data)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._meta  # Mapping's default looks the tensor up: a blob read for a membership test
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._meta)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -24,6 +25,22 @@ def _push(db, world, client: str, update_id: str, value: float, **kw):
             s, world.fed, 1, client, update_id, 10, {"loss": value}, _tensors(value), kw.pop("control", None), **kw
         )
         return upd.id, dup
+
+
+@contextlib.contextmanager
+def _statements(db, fragment: str):
+    """The statements run on ``db`` meanwhile that contain ``fragment`` (a list that fills as they run)."""
+    seen: list[str] = []
+
+    def count(conn, cursor, statement, *rest):
+        if fragment in statement:
+            seen.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", count)
+    try:
+        yield seen
+    finally:
+        event.remove(db.engine, "before_cursor_execute", count)
 
 
 def _stored(db, world):
@@ -199,22 +216,12 @@ def test_iter_round_updates_in_client_order_one_at_a_time(db, world):
     for i, cid in enumerate(reversed(world.clients)):  # arrival order is the reverse of id order
         _push(db, world, cid, f"u-{i}", float(i), control=control if i == 0 else None)
 
-    blob_reads: list[str] = []
-
-    def count(conn, cursor, statement, *rest):
-        if "FROM update_tensors" in statement:
-            blob_reads.append(statement)
-
-    event.listen(db.engine, "before_cursor_execute", count)
-    try:
-        with db.factory() as s:
-            it = store.iter_round_updates(s, world.fed, 1)
-            header, tensors, deltas = next(it)
-            assert len(blob_reads) == 1  # only the first update's tensors were read
-            assert header.client_id == world.clients[0]
-            rest = list(it)
-    finally:
-        event.remove(db.engine, "before_cursor_execute", count)
+    with _statements(db, "FROM update_tensors") as blob_reads, db.factory() as s:
+        it = store.iter_round_updates(s, world.fed, 1)
+        header, tensors, deltas = next(it)
+        assert len(blob_reads) == 1  # only the first update's tensors were read
+        assert header.client_id == world.clients[0]
+        rest = list(it)
     assert len(blob_reads) == 3
     order = [header.client_id] + [h.client_id for h, _, _ in rest]
     assert order == world.clients
@@ -231,38 +238,29 @@ def test_iter_round_updates_in_client_order_one_at_a_time(db, world):
 
 def test_lazy_updates_read_a_tensor_when_it_is_looked_up(db, world):
     """``lazy=True`` (what a close folds from): headings only up front, one row per lookup, nothing kept;
-    the values are the eager read's, byte for byte, including the 0-d tensor and the control delta."""
+    the values are the pushed ones, byte for byte, including the 0-d tensor and the control delta."""
     pushed = {cid: {**_tensors(float(i)), "step": np.array(7 + i, np.int64)} for i, cid in enumerate(world.clients)}
     control = {"w": np.full((3, 2), -1.5, np.float32)}
     for i, cid in enumerate(world.clients):
         with db.factory.begin() as s:
             store.store_update(s, world.fed, 1, cid, f"u-{i}", 10, {}, pushed[cid], control if i == 1 else None)
-    reads: list[str] = []
-
-    def count(conn, cursor, statement, *rest):
-        if "update_tensors.data" in statement:
-            reads.append(statement)
-
-    event.listen(db.engine, "before_cursor_execute", count)
-    try:
-        with db.factory() as s:
-            for header, tensors, deltas in store.iter_round_updates(s, world.fed, 1, lazy=True):
-                assert reads == []  # shapes without a blob
-                assert tensors.shapes == {"n": (1,), "step": (), "w": (3, 2)}
-                for name, array in pushed[header.client_id].items():
-                    got = tensors[name]
-                    assert got.shape == array.shape and got.dtype == array.dtype and got.tobytes() == array.tobytes()
-                assert len(reads) == 3  # one row per lookup
-                assert tensors["w"] is not tensors["w"] and len(reads) == 5  # never cached: read again
+    with _statements(db, "update_tensors.data") as reads, db.factory() as s:
+        for header, tensors, deltas in store.iter_round_updates(s, world.fed, 1, lazy=True):
+            assert reads == []  # shapes without a blob
+            assert tensors.shapes == {"n": (1,), "step": (), "w": (3, 2)}
+            assert "w" in tensors and "nothing" not in tensors and reads == []  # membership reads no blob
+            for name, array in pushed[header.client_id].items():
+                got = tensors[name]
+                assert got.shape == array.shape and got.dtype == array.dtype and got.tobytes() == array.tobytes()
+            assert len(reads) == 3  # one row per lookup
+            assert tensors["w"] is not tensors["w"] and len(reads) == 5  # never cached: read again
+            reads.clear()
+            if header.client_id == world.clients[1]:
+                assert deltas is not None and set(deltas) == {"w"}
+                assert deltas["w"].tobytes() == control["w"].tobytes()
                 reads.clear()
-                if header.client_id == world.clients[1]:
-                    assert deltas is not None and set(deltas) == {"w"}
-                    assert deltas["w"].tobytes() == control["w"].tobytes()
-                    reads.clear()
-                else:
-                    assert deltas is None
-    finally:
-        event.remove(db.engine, "before_cursor_execute", count)
+            else:
+                assert deltas is None
 
 
 def test_push_racing_a_close_is_refused_not_lost(db, world):
