@@ -140,6 +140,7 @@ class Federation:
         self.round = 0
         self.cohort: tuple[str, ...] = ()
         self._tier_cache: tuple[tuple[int, ...], dict[float, dict[str, Tensor]]] = ((), {})
+        self._tier_specs: dict[float, ModelSpec] = {}
         self._acc: RoundAccumulator | None = None
         self._plan: RoundPlan | None = None
         self._fold_order: list[str] = []
@@ -149,16 +150,24 @@ class Federation:
     def fork(self) -> Federation:
         """An engine to fold a round into while this one goes on answering (the service's close).
 
-        The spec is immutable, and a close replaces global tensors, never changes one in place: both
+        The specs are immutable, and a close replaces global tensors, never changes one in place: all
         are shared, not copied (a model's worth of memory the close would otherwise hold twice); the
         per-tier cache is keyed by the versions the close changes, so the fork starts without it.
         """
-        memo: dict[int, Any] = {id(self.spec): self.spec, id(self._tier_cache): ((), {})}
+        memo: dict[int, Any] = {
+            id(self.spec): self.spec,
+            id(self._tier_cache): ((), {}),
+            id(self._tier_specs): self._tier_specs,
+        }
         memo.update((id(t), t) for t in self.global_tensors.values())
         return copy.deepcopy(self, memo)
 
     def tier_spec(self, tier: float) -> ModelSpec:
-        return self.spec.at_tier(tier)
+        """The spec a client of ``tier`` trains; built once per tier (specs are immutable; every fetch asks)."""
+        spec = self._tier_specs.get(tier)
+        if spec is None:
+            spec = self._tier_specs[tier] = self.spec.at_tier(tier)
+        return spec
 
     def tier_tensors(self, tier: float) -> dict[str, Tensor]:
         """The global model shaped for ``tier`` (truncated SVD of factorized tensors), cached per version.

@@ -3,7 +3,7 @@
 Run by ``ray_engine.py --flower-python PY`` with an interpreter that has Flower (``pip install
 'flwr[simulation]==1.42.*'`` in a virtual environment of its own: it pins its own Ray and protobuf), so
 both engines are timed in one run. 10 virtual clients, every client every round, a model of the
-given tensor shapes (digits-cnn's, about 151k parameters, passed as JSON); a client's ``fit``
+given tensor shapes (``ray_engine.idle_mlp``'s, about 105k parameters, passed as JSON); a client's ``fit``
 returns the parameters it got and ``evaluate`` a fixed loss: no training work, as in our shape.
 Flower's ``FedAvg`` (fit and evaluate on every client), a local Ray of ``--cpus`` CPUs, one CPU per
 client. A round's time is the time between the ends of consecutive rounds' evaluations (round 1,

@@ -18,10 +18,12 @@ import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from torch import Tensor
 
 from client_agent.pool import (
@@ -39,7 +41,7 @@ from client_agent.ray_placement import Slot, parse_resources, place
 from client_agent.update import ClientEvaluation, TrainTask
 from fedcore.spec import ModelSpec
 
-__all__ = ["ActorLost", "ClientHost", "ClientHosts", "ray_session", "run_ray_grpc_pool"]
+__all__ = ["ActorLost", "ClientHost", "ClientHosts", "as_tensors", "ray_session", "run_ray_grpc_pool"]
 
 log = logging.getLogger("fedatoms.ray")
 
@@ -91,23 +93,44 @@ class ClientHost:
 
     def train(
         self,
-        client_id: str,
         spec: ModelSpec,
-        task: TrainTask,
         tensors: Mapping[str, Tensor],
-        versions: Mapping[str, int],
+        members: Sequence[tuple[str, TrainTask, Mapping[str, int]]],
         fp16: bool,
         personal_atoms: bool,
-    ) -> InProcessPush:
-        """``versions``: the tensors of ``tensors`` (the tier's global model) newer than the client holds."""
-        fetched = {n: (tensors[n], v) for n, v in versions.items()}
-        return train_in_process(self._client(client_id), spec, task, fetched, fp16=fp16, personal_atoms=personal_atoms)
+    ) -> list[InProcessPush]:
+        """Train some of this actor's clients, one after another, in one call.
+
+        ``tensors`` is the tier's global model; each member is ``(client id, task, versions)``, its versions
+        naming the tensors of ``tensors`` newer than that client holds. One call per chunk of members,
+        not per member, keeps Ray's per-call cost out of a round of many small clients.
+        """
+        return [
+            _as_arrays(
+                train_in_process(
+                    self._client(cid),
+                    spec,
+                    task,
+                    {n: (tensors[n], v) for n, v in versions.items()},
+                    fp16=fp16,
+                    personal_atoms=personal_atoms,
+                )
+            )
+            for cid, task, versions in members
+        ]
 
     def evaluate(
-        self, client_id: str, spec: ModelSpec, tensors: Mapping[str, Tensor], versions: Mapping[str, int], fp16: bool
-    ) -> tuple[Moved, ClientEvaluation]:
-        fetched = {n: (tensors[n], v) for n, v in versions.items()}
-        return evaluate_in_process(self._client(client_id), spec, fetched, fp16=fp16)
+        self,
+        spec: ModelSpec,
+        tensors: Mapping[str, Tensor],
+        members: Sequence[tuple[str, Mapping[str, int]]],
+        fp16: bool,
+    ) -> list[tuple[Moved, ClientEvaluation]]:
+        """Evaluate some of this actor's clients on the closed model: ``(client id, versions)`` each."""
+        return [
+            evaluate_in_process(self._client(cid), spec, {n: (tensors[n], v) for n, v in versions.items()}, fp16=fp16)
+            for cid, versions in members
+        ]
 
     def run_agents(self, job: WorkerJob, credentials: Mapping[int, Any]) -> dict[str, int]:
         """Run the job's clients as real agents until the federation is done.
@@ -121,6 +144,23 @@ class ClientHost:
             if not (state_dir(job.state_root, i) / CREDENTIALS_FILE).exists():
                 creds.save(state_dir(job.state_root, i))
         return run_worker(job)
+
+
+def _as_arrays(done: InProcessPush) -> InProcessPush:
+    """The push with numpy arrays for tensors: Ray moves an array as one buffer, a tensor by pickling its storage."""
+    return _converted(done, lambda t: t.numpy())
+
+
+def as_tensors(done: InProcessPush) -> InProcessPush:
+    """A push from :meth:`ClientHost.train` with tensors again, copied out of Ray's read-only object store."""
+    return _converted(done, lambda a: torch.from_numpy(np.array(a)))
+
+
+def _converted(done: InProcessPush, convert: Callable[[Any], Any]) -> InProcessPush:
+    push = done.push
+    delta = None if push.control_delta is None else {n: convert(t) for n, t in push.control_delta.items()}
+    tensors = {n: convert(t) for n, t in push.tensors.items()}
+    return replace(done, push=replace(push, tensors=tensors, control_delta=delta))
 
 
 @dataclass(frozen=True)
@@ -160,10 +200,14 @@ class ClientHosts:
 
         return ray.get([a.pid.remote() for a in self.actors])
 
-    def call(self, index: int, method: str, *args: Any) -> tuple[int, int, Any]:
-        """Submit ``method`` for client ``index``; ``(slot, generation, ref)`` to :meth:`result`."""
-        s = self.slot_of[index]
-        return s, self.generation[s], getattr(self.actors[s], method).remote(*args)
+    def call(self, s: int, method: str, *args: Any, returns: int = 1) -> tuple[int, int, Any]:
+        """Submit ``method`` on the actor of slot ``s``; ``(slot, generation, ref)`` to :meth:`result`.
+
+        A method that returns a list of ``returns`` values stores each as an object of its own: Ray's object
+        store reuses the blocks of per-client objects, where one object per chunk takes fresh memory each round.
+        """
+        call = getattr(self.actors[s], method)
+        return s, self.generation[s], (call.options(num_returns=returns) if returns > 1 else call).remote(*args)
 
     def result(self, pending: tuple[int, int, Any]) -> Any:
         """The call's value, or :class:`ActorLost` after replacing the actor that died under it."""

@@ -162,6 +162,34 @@ def test_a_killed_actors_clients_drop_out_of_the_round_and_come_back(local_plain
     assert second["test_accuracy"] != local_plain["rounds"][1]["test_accuracy"]
 
 
+# twelve clients on 2 actors: each actor's six members of a round travel in chunks of two (CHUNKS_PER_ACTOR = 4)
+MANY: dict[str, Any] = {**PLAIN, "clients": 12}
+
+
+def test_chunked_calls_give_the_local_record_with_a_sampled_cohort():
+    config = {**MANY, "fraction": 0.75, "rounds": 4}  # 9 of 12 a round: uneven members per actor, uneven chunks
+    _same(
+        _rounds(run_simulation(SimulationConfig(**config))),
+        _rounds(run_simulation(SimulationConfig(engine="ray", **config))),
+        "rounds",
+    )
+
+
+def test_a_killed_actors_chunks_are_all_retried_and_their_clients_fetch_once():
+    local = run_simulation(SimulationConfig(**MANY))["rounds"]
+    progress = _kill_after_round_1(0)
+    run = run_simulation(SimulationConfig(engine="ray", **MANY), progress=progress)
+    assert progress.killed
+    faults = run["rounds"][1].pop("faults")
+    lost = [client_key(i) for i in range(0, 12, 2)]  # slot 0 hosts the even clients: three chunks of two
+    assert [(f["client"], f["phase"], f["outcome"]) for f in faults] == [(c, "train", "retried") for c in lost]
+    assert all("faults" not in r for r in run["rounds"])
+    assert [r["test_accuracy"] for r in run["rounds"]] == [r["test_accuracy"] for r in local]
+    whole_model = local[0]["bytes_train_fetch"] // 12
+    assert run["rounds"][1]["bytes_train_fetch"] == 6 * whole_model  # each lost client fetched the model once
+    assert [r["bytes_eval_fetch"] for r in run["rounds"]] == [r["bytes_eval_fetch"] for r in local]
+
+
 def test_the_command_starts_and_stops_its_own_ray_and_writes_the_local_form(tmp_path, local_plain):
     """`fedatoms simulate --engine ray` with [simulation.resources] from its TOML: same record, same output form."""
     config = tmp_path / "sim.toml"

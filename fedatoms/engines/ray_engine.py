@@ -1,9 +1,9 @@
 """The Ray engine, in process: cohort members train on Ray actors, the driver folds and closes as always.
 
-Per round the driver puts each tier's global model in Ray's object store once, sends every
-cohort member's task to the actor hosting it (all at once: actors train in parallel, one
-client at a time each), and folds the pushes in cohort order as they arrive, exactly as the
-local engine folds them; the same for the evaluations after the close. The driver keeps what
+Per round the driver puts each tier's global model in Ray's object store once, sends the
+cohort members' tasks to the actors hosting them (all at once, a few calls per actor: actors
+train in parallel, one client at a time each), and folds the pushes in cohort order as they
+arrive, exactly as the local engine folds them; the same for the evaluations after the close. The driver keeps what
 each client holds (tensor versions) so a fetch moves, and counts, what the local engine's would.
 
 An actor that dies takes its clients' state with it. It is replaced at once; with
@@ -19,13 +19,17 @@ from typing import Any
 
 from aggregator_service.rounds import Federation, RoundPlan
 from client_agent.pool import InProcessPush, Moved
-from client_agent.ray_pool import ActorLost, ClientHosts
+from client_agent.ray_pool import ActorLost, ClientHosts, as_tensors
 from client_agent.update import ClientEvaluation
 from fedatoms.engines.local import server_control, train_task
 from fedcore.keys import client_key
 from fedcore.training import TrainConfig
 
-__all__ = ["RayClients"]
+__all__ = ["CHUNKS_PER_ACTOR", "RayClients"]
+
+#: calls per actor per phase of a round: few enough that Ray's per-call cost stays small next to a round of
+#: many small clients, more than one so the driver folds a chunk's pushes while the actor trains the next
+CHUNKS_PER_ACTOR = 4
 
 
 class RayClients:
@@ -41,6 +45,7 @@ class RayClients:
         self.tier = {cid: float(tiers[i % len(tiers)]) for cid, i in self.index.items()}
         self.held: dict[str, dict[str, int]] = {cid: {} for cid in self.index}  # tensor versions each client holds
         self.faults: dict[int, list[dict[str, Any]]] = {}
+        self._forgotten: set[tuple[int, int]] = set()  # (slot, generation) of dead actors whose clients were reset
         self._models: tuple[tuple[int, ...], dict[float, Any]] = ((), {})
 
     @property
@@ -65,65 +70,99 @@ class RayClients:
         self.held[cid].update(versions)
         return versions
 
-    def _lost(self, round_: int, cid: str, phase: str, lost: ActorLost, retried: bool) -> None:
-        for other in self.hosts.slots[lost.slot].indices:  # the dead actor's clients hold nothing any more
-            self.held[client_key(other)] = {}
-        self.faults.setdefault(round_, []).append(
+    def _lost(self, round_: int, chunk: Sequence[str], phase: str, lost: ActorLost, retried: bool) -> None:
+        if (lost.slot, lost.generation) not in self._forgotten:  # the dead actor's clients hold nothing any more
+            self._forgotten.add((lost.slot, lost.generation))
+            for other in self.hosts.slots[lost.slot].indices:
+                self.held[client_key(other)] = {}
+        self.faults.setdefault(round_, []).extend(
             {
                 "client": cid,
                 "phase": phase,
                 "outcome": "retried" if retried else "dropout",
                 "cause": f"actor {lost.slot} ({lost.cause})",
             }
+            for cid in chunk
         )
 
+    def _chunks(self, cohort: Sequence[str]) -> list[list[str]]:
+        """The cohort split into calls: each actor's members in cohort order, in up to ``CHUNKS_PER_ACTOR`` calls."""
+        by_slot: dict[int, list[str]] = {}
+        for cid in cohort:
+            by_slot.setdefault(self.hosts.slot_of[self.index[cid]], []).append(cid)
+        chunks = []
+        for members in by_slot.values():
+            size = -(-len(members) // CHUNKS_PER_ACTOR)
+            chunks += [members[i : i + size] for i in range(0, len(members), size)]
+        return chunks
+
     def _calls(self, round_: int, phase: str, cohort: Sequence[str], submit: Any) -> Iterator[tuple[str, Any]]:
-        """Submit every member's call, then yield results in cohort order; a lost call is retried once or dropped."""
-        pending = [(cid, submit(cid)) for cid in cohort]
-        for cid, call in pending:
-            value = self.hosts.result(call)
-            if isinstance(value, ActorLost):
-                retry = self.retry
-                self._lost(round_, cid, phase, value, retry)
-                if retry:
-                    value = self.hosts.result(submit(cid))
-                    if isinstance(value, ActorLost):
-                        self._lost(round_, cid, phase, value, False)
-            if not isinstance(value, ActorLost):
-                yield cid, value
+        """Submit every chunk's call, then yield members' results in cohort order; a lost chunk is retried once
+        (on the dead actor's replacement) or dropped."""
+        chunks = self._chunks(cohort)
+        chunk_of = {cid: i for i, chunk in enumerate(chunks) for cid in chunk}
+        pending = [submit(chunk) for chunk in chunks]
+        results: dict[str, Any] = {}
+        for cid in cohort:
+            i = chunk_of[cid]
+            if pending[i] is not None:
+                results.update(self._collect(round_, phase, chunks[i], pending[i], submit))
+                pending[i] = None
+            if cid in results:
+                yield cid, results.pop(cid)
+
+    def _collect(self, round_: int, phase: str, chunk: list[str], call: Any, submit: Any) -> dict[str, Any]:
+        """One chunk's results by client; empty when its actor died and the chunk is dropped."""
+        values = self.hosts.result(call)
+        if isinstance(values, ActorLost):
+            retry = self.retry
+            self._lost(round_, chunk, phase, values, retry)
+            if not retry:
+                return {}
+            values = self.hosts.result(submit(chunk))
+            if isinstance(values, ActorLost):
+                self._lost(round_, chunk, phase, values, False)
+                return {}
+        return dict(zip(chunk, values, strict=True))
+
+    def _slot(self, chunk: Sequence[str]) -> int:
+        return self.hosts.slot_of[self.index[chunk[0]]]
 
     def train(self, federation: Federation, plan: RoundPlan, config: TrainConfig) -> Iterator[InProcessPush]:
         control = server_control(federation)
 
-        def submit(cid: str) -> Any:
-            tier = self.tier[cid]
-            task = train_task(federation, plan, tier, cid, self.seed, config, control)
+        def submit(chunk: list[str]) -> Any:
+            tier = self.tier[chunk[0]]  # an actor hosts clients of one tier
+            members = [
+                (cid, train_task(federation, plan, tier, cid, self.seed, config, control), self._fetch(federation, cid))
+                for cid in chunk
+            ]
             return self.hosts.call(
-                self.index[cid],
+                self._slot(chunk),
                 "train",
-                cid,
                 federation.tier_spec(tier),
-                task,
                 self._model(federation, tier),
-                self._fetch(federation, cid),
+                members,
                 self.fp16,
                 self.personal_atoms,
+                returns=len(chunk),
             )
 
-        for _, push in self._calls(plan.round, "train", plan.cohort, submit):
-            yield push
+        for _, done in self._calls(plan.round, "train", plan.cohort, submit):
+            yield as_tensors(done)
 
     def evaluate(self, federation: Federation, cohort: Sequence[str]) -> Iterator[tuple[str, Moved, ClientEvaluation]]:
-        def submit(cid: str) -> Any:
-            tier = self.tier[cid]
+        def submit(chunk: list[str]) -> Any:
+            tier = self.tier[chunk[0]]
+            members = [(cid, self._fetch(federation, cid)) for cid in chunk]
             return self.hosts.call(
-                self.index[cid],
+                self._slot(chunk),
                 "evaluate",
-                cid,
                 federation.tier_spec(tier),
                 self._model(federation, tier),
-                self._fetch(federation, cid),
+                members,
                 self.fp16,
+                returns=len(chunk),
             )
 
         for cid, (moved, evaluation) in self._calls(federation.round, "evaluate", cohort, submit):
