@@ -22,6 +22,7 @@ import time
 
 from fedatoms.simulate import SimulationConfig, run_simulation
 from fedcore.codec import CodecError
+from fedcore.training.atom_steps import ATOM_LR_RULES
 
 FACTORIZATIONS = ("none", "atoms", "lowrank", "atoms-lowrank")
 #: by default every client is at tier 1, where the factorization's own learning dynamics show; with low-rank
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lrs", default="0.005,0.01,0.02,0.05,0.1")
     p.add_argument("--factorizations", default=",".join(DEFAULT_FACTORIZATIONS), help=", ".join(FACTORIZATIONS))
     p.add_argument("--tiers", default="1", help="tiers of the low-rank factorizations, round-robin (e.g. 1,0.5)")
-    p.add_argument("--atom-lr", default="scaled", choices=["scaled", "shared"])
+    p.add_argument("--atom-lr", default="preconditioned", choices=ATOM_LR_RULES)
     p.add_argument("--clients", type=int, default=20)
     p.add_argument("--fraction", type=float, default=0.5)
     p.add_argument("--rounds", type=int, default=20)

@@ -35,6 +35,11 @@ _MUTABLE_CONFIG_KEYS = frozenset({"rounds"})
 #: one ran with: it keeps that behaviour across an upgrade instead of being refused or changed
 _KEYS_SINCE: dict[str, Any] = {"tier_init": "truncated", "tier_average": "aligned", "lama_warmup": "rounds"}
 
+#: method keys whose default a later release changed: (the old default, the new one). A federation stored
+#: with the old default and configured with the new one (an upgrade, the operator's settings unchanged)
+#: keeps the old value, for the server and for the clients it trains, instead of being refused
+_DEFAULTS_CHANGED: dict[str, tuple[Any, Any]] = {"atom_lr": ("scaled", "preconditioned")}
+
 
 def load(shared: Shared) -> None:
     """(Re)build the in-memory federation from the database; create it on first start."""
@@ -53,6 +58,14 @@ def load(shared: Shared) -> None:
                 iterations=shared.iterations,
             )
         else:
+            kept = {
+                k: old
+                for k, (old, new) in _DEFAULTS_CHANGED.items()
+                if row.config.get(k) == old and getattr(shared.config, k) == new
+            }
+            if kept:
+                log.info(kv("federation_keeps_old_defaults", name=settings.federation_name, keeps=kept))
+                shared.config = replace(shared.config, **kept)
             _check_config(shared, row.config)
         total = store.count_clients(s, row, include_revoked=False)
         predates = {k: v for k, v in _KEYS_SINCE.items() if not created and k not in row.config}

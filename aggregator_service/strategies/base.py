@@ -82,7 +82,7 @@ class Setting:
     factorization: str = "none"
     tiers: tuple[float, ...] = (1.0,)
     interval_policy: str = "every_round"
-    atom_lr: str = "scaled"
+    atom_lr: str = "preconditioned"
 
     @property
     def low_rank(self) -> bool:

@@ -51,10 +51,10 @@ class Scaffold(FedAvg):
     def refuse(cls, setting: Setting) -> str | None:
         if setting.low_rank:
             return "SCAFFOLD's control variates live in full-rank space: use tiers = [1]"
-        if setting.factorization.startswith("atoms") and setting.atom_lr == "scaled":
+        if setting.factorization.startswith("atoms") and setting.atom_lr != "shared":
             return (
-                "SCAFFOLD's control variates assume one learning rate for every parameter, and atom_lr = scaled "
-                "gives atoms and coefficients their own: use atom_lr = shared with atoms"
+                "SCAFFOLD's control variates assume one learning rate for every parameter, and atom_lr = "
+                f"{setting.atom_lr} gives atoms and coefficients their own: use atom_lr = shared with atoms"
             )
         return None
 

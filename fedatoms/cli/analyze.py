@@ -85,7 +85,7 @@ def add_parser(sub: Any) -> None:
     v.add_argument("--local-epochs", type=int, default=2)
     v.add_argument("--lr", type=float, default=0.01)
     v.add_argument("--momentum", type=float, default=0.9)
-    v.add_argument("--atom-lr", default="scaled", choices=["scaled", "shared"])
+    v.add_argument("--atom-lr", default="preconditioned", choices=["preconditioned", "scaled", "shared"])
     v.add_argument("--seed", type=int, default=0, help="the global model's seed (repetitions differ from it)")
     v.add_argument("--threads", type=int, default=1)
     v.add_argument("--json", help="also write the per-layer figures here")

@@ -179,8 +179,9 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ditto-lambda", type=float, help="Ditto's λ (the decomposition paper: 0.75)")
     g.add_argument(
         "--atom-lr",
-        choices=["scaled", "shared"],
-        help="step sizes of atoms and coefficients: scaled so α×D moves like a plain conv, or the papers' shared rate",
+        choices=["preconditioned", "scaled", "shared"],
+        help="step sizes of atoms, coefficients and low-rank factor pairs: preconditioned (scaled atoms, ScaledGD "
+        "pairs; the default), scaled (α×D and U V move like a plain layer), or the papers' shared rate",
     )
     g.add_argument("--fp16", action="store_true", default=None, help="send tensors as float16")
     g.add_argument("--seed", type=int)

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import Tensor
 
+from fedcore.training.atom_steps import ATOM_LR_RULES
 from fedcore.training.personalization import PERSONALIZATIONS
 
 __all__ = ["BN_STATISTICS", "EvalResult", "LocalResult", "TrainConfig", "check_int"]
@@ -51,8 +52,9 @@ class TrainConfig:
     frobenius_decay: float = 0.0
     #: epochs of the personal phase: personal atoms, Ditto's personal model, FT's fine-tuning (None: local_epochs)
     personal_epochs: int | None = None
-    #: step sizes of filter atoms and coefficients: "scaled" (fedcore.training.atom_steps) or "shared"
-    atom_lr: str = "scaled"
+    #: step sizes of filter atoms, coefficients and low-rank factor pairs (fedcore.training.atom_steps):
+    #: "preconditioned" (scaled atoms, ScaledGD pairs), "scaled" or "shared" (the papers' one rate)
+    atom_lr: str = "preconditioned"
     #: a personalization baseline (fedcore.training.personalization): none, ft, fedper, fedrep, lg, ditto, local
     personalization: str = "none"
     #: FedRep: epochs of the personal head (body frozen) before the body's local_epochs (head frozen)
@@ -73,8 +75,8 @@ class TrainConfig:
         _check_float("frobenius_decay", self.frobenius_decay)
         if self.personal_epochs is not None:
             check_int("personal_epochs", self.personal_epochs, 1)
-        if self.atom_lr not in ("scaled", "shared"):
-            raise ValueError(f"atom_lr must be 'scaled' or 'shared', got {self.atom_lr!r}")
+        if self.atom_lr not in ATOM_LR_RULES:
+            raise ValueError(f"atom_lr must be one of {', '.join(ATOM_LR_RULES)}, got {self.atom_lr!r}")
         if self.personalization not in PERSONALIZATIONS:
             raise ValueError(
                 f"personalization must be one of {', '.join(PERSONALIZATIONS)}, got {self.personalization!r}"

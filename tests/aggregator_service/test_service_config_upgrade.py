@@ -2,14 +2,17 @@
 
 ``tier_init``, ``tier_average`` and ``lama_warmup`` came after federations were stored: one stored without them
 restarts (not refused as "a different method") and keeps FedHM's truncated cut and aligned
-average; one stored with a value is held to it.
+average; one stored with a value is held to it. ``atom_lr``'s default changed: one stored with the old default
+keeps it when restarted with unchanged settings.
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from grpc_helpers import small_federation
+from grpc_helpers import register, shards, small_federation
 from sqlalchemy import select
 
 from aggregator_service import store
@@ -67,3 +70,26 @@ def test_a_fedlama_federation_stored_before_lama_warmup_keeps_its_warmup_in_roun
     fed = start_service(url, small_federation(interval_policy="fedlama", phi=4)).coordinator.shared.federation
     assert fed.policy.warmup_rounds == 6  # not refused, not changed
     assert small_federation(interval_policy="fedlama", phi=4).build_federation(1).policy.warmup_rounds == 12
+
+
+@pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
+def test_a_federation_stored_with_the_old_atom_lr_default_keeps_it(backend, request, start_service):
+    """``atom_lr``'s default became ``preconditioned``: a federation stored with the old default (``scaled``) and
+    restarted with unchanged settings is not refused and keeps training its clients with ``scaled``; a value
+    the operator chose is held to it as before."""
+    url = request.getfixturevalue(backend)
+    start_service(url, small_federation(atom_lr="scaled")).stop()  # what the old default stored
+    service = start_service(url, small_federation())  # the new default, settings unchanged: not refused
+    assert small_federation().train_config().atom_lr == "preconditioned"
+    clients = [register(service.stub, tier, data) for tier, data in zip((1.0, 0.25), shards(2), strict=True)]
+    task = clients[1].task()
+    assert task.WhichOneof("kind") == "train"
+    assert json.loads(task.train.train_config_json)["atom_lr"] == "scaled"  # what a client trains with
+
+
+@pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
+def test_a_chosen_atom_lr_is_still_held_against_another(backend, request, start_service):
+    url = request.getfixturevalue(backend)
+    start_service(url, small_federation(atom_lr="shared")).stop()
+    with pytest.raises(ValueError, match="atom_lr: stored 'shared', configured 'preconditioned'"):
+        start_service(url, small_federation())

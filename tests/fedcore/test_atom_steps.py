@@ -111,3 +111,60 @@ def test_fedhm_factor_pairs_get_the_other_factors_energy_as_divisor(layer: str) 
             for factor in ("u", "v")
         }
         assert rate == pytest.approx(expected), rule
+
+
+def _pair_step(rule: str, u: torch.Tensor, v: torch.Tensor, grad_w: torch.Tensor, lr: float = 0.1) -> torch.Tensor:
+    """The first-order change of ``W = U V`` after one step of ``rule`` (no momentum), given ``∂L/∂W``."""
+    from fedcore.layers import LowRankLinear
+
+    module = LowRankLinear(v.shape[1], u.shape[0], u.shape[1])
+    with torch.no_grad():
+        module.lowrank_u.copy_(u)
+        module.lowrank_v.copy_(v)
+    model = _Wrap(module)
+    params = dict(model.named_parameters())
+    steps = AtomSteps(model, params, lr, rule)
+    optimizer = torch.optim.SGD(steps.param_groups, lr=lr)
+    module.lowrank_u.grad = grad_w @ v.T  # the chain rule for a loss whose gradient in W is grad_w
+    module.lowrank_v.grad = u.T @ grad_w
+    module.bias.grad = torch.zeros_like(module.bias)
+    steps.rescale(optimizer)
+    rates = {id(p): g["lr"] for g in optimizer.param_groups for p in g["params"]}
+    delta_u = -rates[id(module.lowrank_u)] * module.lowrank_u.grad
+    delta_v = -rates[id(module.lowrank_v)] * module.lowrank_v.grad
+    return delta_u @ v + u @ delta_v
+
+
+def test_a_preconditioned_pair_moves_like_sgd_projected_on_its_tangent_space() -> None:
+    """Hand-set factors with ``UᵀU = 4 I`` and ``V Vᵀ = 9 I``: ScaledGD divides ``∇U`` by ``9 (1 + λ)`` and
+    ``∇V`` by ``4 (1 + λ)``, so ``ΔW = −η (G P_V + P_U G) / (1 + λ)``, ``P`` the projections (from ``pinv``)."""
+    from fedcore.training.atom_steps import DAMPING
+
+    u = torch.zeros(5, 2, dtype=torch.float64)
+    u[0, 0], u[3, 1] = 2.0, -2.0
+    v = torch.zeros(2, 7, dtype=torch.float64)
+    v[0, 1], v[1, 4] = 3.0, 3.0
+    g = torch.randn(5, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    p_u, p_v = u @ torch.linalg.pinv(u), torch.linalg.pinv(v) @ v
+    expected = -0.1 * (g @ p_v + p_u @ g) / (1 + DAMPING)
+    moved = _pair_step("preconditioned", u.float(), v.float(), g.float())
+    torch.testing.assert_close(moved.double(), expected, rtol=1e-5, atol=1e-6)
+    # scaled: U at η/9 and V at η/4 on the raw gradients, so the product moves by −η (G VᵀV/9 + U Uᵀ G/4)
+    torch.testing.assert_close(
+        _pair_step("scaled", u.float(), v.float(), g.float()).double(), -0.1 * (g @ p_v + p_u @ g), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_a_preconditioned_step_does_not_depend_on_how_the_singular_values_are_split() -> None:
+    """``(c U, V / c)`` is the same ``W``: ScaledGD moves it the same way for any ``c``; ``scaled`` does not."""
+    gen = torch.Generator().manual_seed(1)
+    u, v, g = torch.randn(6, 3, generator=gen), torch.randn(3, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    for rule, same in (("preconditioned", True), ("scaled", False)):
+        a = _pair_step(rule, u, v, g)
+        b = _pair_step(rule, 5.0 * u, v / 5.0, g)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6) == same, rule
+
+
+def test_preconditioned_atoms_step_as_scaled_ones() -> None:
+    """The rule differs from ``scaled`` only on rank-deficient pairs: a full atom layer takes the same step."""
+    assert _filter_step("preconditioned", 10.0) == _filter_step("scaled", 10.0)
