@@ -51,11 +51,13 @@ def test_a_federation_stored_before_the_tier_rules_restarts_with_fedhms(backend,
 
 
 @pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
-def test_a_stored_tier_init_is_held_against_another_configured_one(backend, request, start_service):
-
+@pytest.mark.parametrize(
+    ("key", "stored", "default"), [("tier_init", "truncated", "energy"), ("atom_lr", "shared", "preconditioned")]
+)
+def test_a_stored_value_is_held_against_another_configured_one(backend, key, stored, default, request, start_service):
     url = request.getfixturevalue(backend)
-    start_service(url, small_federation(tier_init="truncated")).stop()
-    with pytest.raises(ValueError, match="tier_init: stored 'truncated', configured 'energy'"):
+    start_service(url, small_federation(**{key: stored})).stop()
+    with pytest.raises(ValueError, match=f"{key}: stored '{stored}', configured '{default}'"):
         start_service(url, small_federation())
 
 
@@ -85,11 +87,3 @@ def test_a_federation_stored_with_the_old_atom_lr_default_keeps_it(backend, requ
     task = clients[1].task()
     assert task.WhichOneof("kind") == "train"
     assert json.loads(task.train.train_config_json)["atom_lr"] == "scaled"  # what a client trains with
-
-
-@pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
-def test_a_chosen_atom_lr_is_still_held_against_another(backend, request, start_service):
-    url = request.getfixturevalue(backend)
-    start_service(url, small_federation(atom_lr="shared")).stop()
-    with pytest.raises(ValueError, match="atom_lr: stored 'shared', configured 'preconditioned'"):
-        start_service(url, small_federation())
