@@ -22,7 +22,7 @@ by ``max(1, ‖U‖₂²)``. ``shared`` keeps the papers' single rate. docs/meth
 so the product moves by ``−η (G P_V + P_U G)``, plain SGD's step projected on the pair's tangent
 space, whatever the singular values: ``scaled`` moves direction ``i`` at ``σ_i/σ_1`` of that, and a
 pair cut from a random layer, whose lower ``σ_i`` are small, learns slowly there. ``λ`` is
-``DAMPING`` times the Gram matrix's mean eigenvalue, so a vanishing direction's step stays bounded.
+``DAMPING`` (0.1) times the Gram matrix's mean eigenvalue, so a vanishing direction's step stays bounded.
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ __all__ = ["ATOM_LR_RULES", "AtomSteps"]
 
 ATOM_LR_RULES = ("preconditioned", "scaled", "shared")
 
-#: ScaledGD's damping, relative to the Gram matrix's mean eigenvalue: bounds the step of a vanishing direction
-DAMPING = 1e-2
+#: ScaledGD's damping, relative to the Gram matrix's mean eigenvalue: a direction whose singular value vanishes
+#: moves at most 1/DAMPING times as fast as an average one (docs/methods.md: 1e-2 let FedHM's aligned average of
+#: mixed tiers collapse)
+DAMPING = 0.1
 
 
 def _top_squared_singular_value(matrix: torch.Tensor) -> float:
