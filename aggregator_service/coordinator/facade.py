@@ -40,7 +40,6 @@ class Coordinator:
         enrollment_iterations: int = store.ENROLLMENT_PBKDF2_ITERATIONS,
     ) -> None:
         self.settings = settings
-        self.config = settings.federation
         self.clock = clock
         self.factory = factory
         self.shared = shared = Shared(settings, factory, clock, enrollment_iterations)

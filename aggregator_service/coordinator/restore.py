@@ -64,7 +64,7 @@ def load(shared: Shared) -> None:
                 if row.config.get(k) == old and getattr(shared.config, k) == new
             }
             if kept:
-                log.info(kv("federation_keeps_old_defaults", name=settings.federation_name, keeps=kept))
+                log.warning(kv("federation_keeps_old_defaults", name=settings.federation_name, keeps=kept))
                 shared.config = replace(shared.config, **kept)
             _check_config(shared, row.config)
         total = store.count_clients(s, row, include_revoked=False)

@@ -55,7 +55,8 @@ def _top_squared_singular_value(matrix: torch.Tensor) -> float:
 def _damped_gram(gram: torch.Tensor) -> torch.Tensor:
     gram = gram.detach().to(torch.float64)
     r = gram.shape[0]
-    return gram + (DAMPING * float(torch.trace(gram)) / r + 1e-12) * torch.eye(r, dtype=torch.float64)
+    damping = DAMPING * torch.trace(gram) / r + 1e-12  # a tensor on the factors' device: no sync per step
+    return gram + damping * torch.eye(r, dtype=torch.float64, device=gram.device)
 
 
 @dataclass(frozen=True)
