@@ -39,6 +39,8 @@ __all__ = ["ATOM_LR_RULES", "AtomSteps"]
 
 ATOM_LR_RULES = ("preconditioned", "scaled", "shared")
 
+_COEFFICIENTS = ("coefficients", "coefficients_u", "coefficients_v")
+
 #: ScaledGD's damping, relative to the Gram matrix's mean eigenvalue: a direction whose singular value vanishes
 #: moves at most 1/DAMPING times as fast as an average one (docs/methods.md: 1e-2 let FedHM's aligned average of
 #: mixed tiers collapse)
@@ -53,6 +55,7 @@ def _top_squared_singular_value(matrix: torch.Tensor) -> float:
 
 
 def _damped_gram(gram: torch.Tensor) -> torch.Tensor:
+    """``gram + λ I`` in float64, ``λ = DAMPING`` × the mean eigenvalue (the trace over ``r``)."""
     gram = gram.detach().to(torch.float64)
     r = gram.shape[0]
     damping = DAMPING * torch.trace(gram) / r + 1e-12  # a tensor on the factors' device: no sync per step
@@ -105,9 +108,8 @@ class AtomSteps:
     def rescale(self, optimizer: torch.optim.Optimizer) -> None:
         """Set each factor's rate (and precondition pairs' gradients) from the current factors, before every step."""
         with torch.no_grad():
-            for index, group in self._groups:
-                divisor = 1.0 if self.rule == "shared" else max(1.0, self._energy_of_other(group))
-                optimizer.param_groups[index]["lr"] = self.lr / divisor
+            for index, group in self._groups if self.rule != "shared" else ():  # shared: every group keeps lr
+                optimizer.param_groups[index]["lr"] = self.lr / max(1.0, self._energy_of_other(group))
             for u, v, move_u, move_v in self._pairs:
                 gram_v, gram_u = _damped_gram(v @ v.T), _damped_gram(u.T @ u)
                 if move_u and u.grad is not None:
@@ -128,6 +130,3 @@ class AtomSteps:
             return _top_squared_singular_value(layer.coefficient_tensor().reshape(-1, layer.num_atoms))
         # moves W by Δα·D: bounded by the atoms' top singular value
         return _top_squared_singular_value(layer.atoms.reshape(layer.num_atoms, -1))
-
-
-_COEFFICIENTS = ("coefficients", "coefficients_u", "coefficients_v")
