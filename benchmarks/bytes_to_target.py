@@ -22,7 +22,8 @@ Defaults: the bundled digits, 20 clients × 2 classes (shards), half of them per
 batch 10, lr 0.01 with momentum 0.9 (where ``benchmarks/lr_sweep.py`` finds none and atoms
 learning on digits), 40 rounds, 3 seeds. ``--set KEY=VALUE`` applies a config key to every run
 (e.g. ``--set fedlama_warmup=0`` for the paper's literal FedLAMA); ``--jobs`` runs that many
-simulations in parallel processes (one torch thread each).
+simulations in parallel processes (one torch thread each). A run that takes longer than a minute
+reports its latest round about once a minute on stderr.
 
     OMP_NUM_THREADS=1 nice python benchmarks/bytes_to_target.py
     python benchmarks/bytes_to_target.py --rounds 30 --seeds 2 --configs fedavg,atoms+lama4
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 ALL_TIERS = [1.0, 0.5, 0.25, 0.125]
+PROGRESS_EVERY_S = 60.0  # a long run (MNIST: minutes a run) says where it is this often
 
 #: configuration name → SimulationConfig keys beyond the shared ones
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -95,9 +97,25 @@ def _run(job: tuple[str, int, dict[str, Any]]) -> tuple[str, int, Outcome]:
     name, seed, keys = job
     started = time.perf_counter()
     rounds: list[dict[str, Any]] = []
+    reported = started
+
+    def progress(record: dict[str, Any]) -> None:
+        nonlocal reported
+        rounds.append(record)
+        now = time.perf_counter()
+        if now - reported >= PROGRESS_EVERY_S:
+            reported = now
+            moved = record["cumulative_bytes_up"] + record["cumulative_bytes_down"]
+            print(
+                f"    {name} seed {seed}: round {record['round']}/{keys['rounds']}, accuracy "
+                f"{record['test_accuracy']:.3f}, {_fmt_bytes(moved)} ({now - started:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
     diverged = False
     try:
-        run_simulation(SimulationConfig(**keys, seed=seed), progress=rounds.append)
+        run_simulation(SimulationConfig(**keys, seed=seed), progress=progress)
     except CodecError as exc:
         if exc.kind != "nonfinite":
             raise
