@@ -20,7 +20,8 @@ Configurations (``--configs`` picks a subset):
 
 Defaults: the bundled digits, 20 clients × 2 classes (shards), half of them per round, E = 2,
 batch 10, lr 0.01 with momentum 0.9 (where ``benchmarks/lr_sweep.py`` finds none and atoms
-learning on digits), 40 rounds, 3 seeds. ``--set KEY=VALUE`` applies a config key to every run
+learning on digits), 40 rounds, 3 seeds (``--first-seed`` picks where they start, to split seeds across
+runs). ``--set KEY=VALUE`` applies a config key to every run
 (e.g. ``--set fedlama_warmup=0`` for the paper's literal FedLAMA); ``--jobs`` runs that many
 simulations in parallel processes (one torch thread each). A run that takes longer than a minute
 reports its latest round about once a minute on stderr.
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--classes-per-client", type=int, default=2)
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds run from this one on [0]: split seeds across runs")
     p.add_argument("--local-epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--momentum", type=float, default=0.9)
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             keys["phi"] = args.stack_phi
         if name != "fedavg":  # plain FedAvg stays the papers' baseline whatever the rules under test
             keys.update(extra)
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             jobs.append((name, seed, keys))
 
     print(
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
 
-    seeds = range(args.seeds)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     targets = {s: results[("fedavg", s)].last5 for s in seeds}
     baseline = {s: results[("fedavg", s)].reach(targets[s]) for s in seeds}
     print(f"\ntarget per seed (FedAvg's mean of the last 5 rounds): {', '.join(f'{targets[s]:.3f}' for s in seeds)}")
