@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         if not sep:
             p.error(f"--set takes KEY=VALUE, got {item!r}")
         extra[key.replace("-", "_")] = _parse_value(value)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     jobs = []
     for name in names:
         keys = {**shared, **CONFIGS[name]}
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             keys["phi"] = args.stack_phi
         if name != "fedavg":  # plain FedAvg stays the papers' baseline whatever the rules under test
             keys.update(extra)
-        for seed in range(args.first_seed, args.first_seed + args.seeds):
+        for seed in seeds:
             jobs.append((name, seed, keys))
 
     print(
@@ -209,7 +210,6 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
 
-    seeds = range(args.first_seed, args.first_seed + args.seeds)
     targets = {s: results[("fedavg", s)].last5 for s in seeds}
     baseline = {s: results[("fedavg", s)].reach(targets[s]) for s in seeds}
     print(f"\ntarget per seed (FedAvg's mean of the last 5 rounds): {', '.join(f'{targets[s]:.3f}' for s in seeds)}")

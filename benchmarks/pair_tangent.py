@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from fedatoms.simulate import SimulationConfig
 from fedcore.data import load_dataset
-from fedcore.layers import LowRankConv2d, LowRankLinear, conv_weight_to_matrix, matrix_to_conv_weight
+from fedcore.layers import LowRankConv2d, LowRankLinear, conv_weight_to_matrix
 from fedcore.training.atom_steps import AtomSteps
 
 
@@ -39,15 +39,8 @@ def tangent_shares(
     state = {k: v for k, v in model.state_dict().items() if ".lowrank_" not in k}
     factors = {}
     for name, m in pairs.items():
-        u = m.lowrank_u.detach().reshape(m.lowrank_u.shape[0], -1)
-        v = m.lowrank_v.detach().reshape(m.lowrank_v.shape[0], -1)
-        factors[name] = (u, v)
-        matrix = u @ v
-        if isinstance(m, LowRankConv2d):
-            full = matrix_to_conv_weight(matrix, m.out_channels, m.in_channels, m.kernel_size)
-        else:
-            full = matrix
-        state[f"{name}.weight"] = full
+        factors[name] = (m.lowrank_u.detach(), m.lowrank_v.detach())
+        state[f"{name}.weight"] = m.weight.detach()  # the filter the pair computes with
     plain.load_state_dict(state)
     plain.zero_grad()
     F.cross_entropy(plain(x), y).backward()
