@@ -66,6 +66,8 @@ class Outcome:
     accuracy: list[float]
     cumulative_bytes: list[int]  # up + down, through each round (the ledger's figures)
     seconds: float
+    #: (tier, accuracy per round) of the global model cut to the smallest tier below 1; None without tiers
+    smallest_cut: tuple[str, list[float]] | None = None
 
     @property
     def last5(self) -> float:
@@ -124,8 +126,15 @@ def _run(job: tuple[str, int, dict[str, Any]]) -> tuple[str, int, Outcome]:
     accuracy = [r["test_accuracy"] for r in rounds]
     moved = [r["cumulative_bytes_up"] + r["cumulative_bytes_down"] for r in rounds]
     missing = keys["rounds"] - len(rounds)
+    cut = None
+    if rounds and "tier_accuracy" in rounds[0]:
+        tier = min(rounds[0]["tier_accuracy"], key=float)
+        cut = (tier, [r["tier_accuracy"][tier] for r in rounds] + [0.0] * missing)
     outcome = Outcome(
-        accuracy + [0.0] * missing, moved + [moved[-1] if moved else 0] * missing, time.perf_counter() - started
+        accuracy + [0.0] * missing,
+        moved + [moved[-1] if moved else 0] * missing,
+        time.perf_counter() - started,
+        cut,
     )
     if diverged:
         print(f"  {name} seed {seed}: non-finite tensors after round {len(rounds)}", file=sys.stderr, flush=True)
@@ -234,6 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         mean = f"{math.exp(statistics.fmean(math.log(r) for r in finite)):.2f}×" if len(finite) == len(ratios) else "—"
         print(f"{name:<15} {last5:>10.3f} | " + " | ".join(cells) + f" | {mean:>7}")
     print("\nmean × is the geometric mean over seeds, shown only where every seed reached the target")
+    cuts = [(n, [results[(n, s)].smallest_cut for s in seeds]) for n in names]
+    cuts = [(n, c) for n, c in cuts if all(x is not None for x in c)]
+    if cuts:
+        print("the global model cut to the smallest tier (what those clients run), last-5, mean over seeds:")
+        for name, per_seed in cuts:
+            tier = per_seed[0][0]
+            cut_last5 = statistics.fmean(statistics.fmean(acc[-5:]) for _, acc in per_seed)
+            print(f"  {name:<15} tier {tier:<6} {cut_last5:.3f}")
     print(f"({time.perf_counter() - started:.0f} s)")
 
     from fedatoms.plots import plot_accuracy_vs_bytes

@@ -162,6 +162,7 @@ def _round_dict(rnd: store.Round, metrics: store.RoundMetrics | None, evals: dic
         "duration_seconds": m.duration_seconds if m else None,
         "test_accuracy": m.test_accuracy if m else None,
         "test_loss": m.test_loss if m else None,
+        "tier_accuracy": dict(((m.extra if m else None) or {}).get("tier_accuracy") or {}),
         # clients evaluate after the close, so the evaluations table is fresher than the metrics row
         "mean_client_accuracy": mean_acc if mean_acc is not None else (m.mean_client_accuracy if m else None),
         "personalized_accuracy": personal if personal is not None else (m.personalized_accuracy if m else None),
@@ -428,6 +429,15 @@ def _latest(session: Session, fed_id: int, column: Any) -> tuple[int, float] | N
     return None if row is None else (int(row[0]), float(row[1]))
 
 
+def _latest_tier_accuracy(session: Session, fed_id: int, last_closed: int | None) -> dict[str, float]:
+    """The server's accuracy of the global model cut to each tier below 1, at the last closed round."""
+    if last_closed is None:
+        return {}
+    m = store.RoundMetrics
+    extra = session.scalar(select(m.extra).where(m.federation_id == fed_id, m.round == last_closed))
+    return dict((extra or {}).get("tier_accuracy") or {})
+
+
 def metrics_snapshot(
     session: Session, fed: store.Federation, online_since: datetime, buckets: Sequence[float]
 ) -> dict[str, Any]:
@@ -480,6 +490,7 @@ def metrics_snapshot(
         "test_accuracy": _latest(session, fed.id, m.test_accuracy),
         "test_loss": _latest(session, fed.id, m.test_loss),
         "dispersion": _latest(session, fed.id, m.dispersion),
+        "tier_accuracy": _latest_tier_accuracy(session, fed.id, last_closed),
         "evaluations": None if last_eval is None else evaluation_means(session, fed.id, [last_eval]).get(last_eval),
         "tensors": tensors,
     }

@@ -75,6 +75,11 @@ class RoundOut(BaseModel):
     duration_seconds: float | None
     test_accuracy: float | None = Field(description="the server's evaluation of the global model")
     test_loss: float | None
+    tier_accuracy: dict[str, float] = Field(
+        default_factory=dict,
+        description="the server's evaluation of the global model cut to each tier below 1 (what those clients run), "
+        "by tier",
+    )
     mean_client_accuracy: float | None = Field(description="clients' evaluations of the global model, weighted")
     personalized_accuracy: float | None = Field(
         description="clients' personalized models (personal atoms or a baseline), weighted"

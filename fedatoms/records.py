@@ -53,6 +53,11 @@ def summarize(records: list[dict[str, Any]], totals: Mapping[str, int], seconds:
         else None,
         "wall_seconds": round(seconds, 3),
     }
+    if "tier_accuracy" in last:  # the global model cut to each tier below 1 (what those clients run)
+        tail = [r["tier_accuracy"] for r in records[-5:] if "tier_accuracy" in r]
+        summary["mean_tier_accuracy_last5"] = {
+            t: math.fsum(c[t] for c in tail) / len(tail) for t in last["tier_accuracy"]
+        }
     if "personalized_accuracy" in last:
         summary["final_personalized_accuracy"] = last["personalized_accuracy"]
         personal = [r["personalized_accuracy"] for r in records[-5:] if r["personalized_accuracy"] is not None]

@@ -21,6 +21,7 @@ import torch
 from aggregator_service.config import FederationConfig
 from aggregator_service.metrics import CATEGORIES, DIRECTIONS, BandwidthLedger, fedavg_transfer_bytes, total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome
+from aggregator_service.server_evaluation import evaluate_round
 from aggregator_service.updates import ClientUpdate
 from client_agent.pool import Population
 from client_agent.update import ClientEvaluation
@@ -32,7 +33,7 @@ from fedcore.datasource import describe, open_data
 from fedcore.model_input import Normalization, fit_to_model
 from fedcore.models import model_info
 from fedcore.reference import is_zoo
-from fedcore.training import Dataset, evaluate
+from fedcore.training import Dataset
 
 __all__ = ["DEFAULT_MODELS", "SimulationConfig", "run_simulation"]
 
@@ -259,9 +260,7 @@ def _round_record(
     evaluations: list[ClientEvaluation],
     ledger: BandwidthLedger,
 ) -> dict[str, Any]:
-    full_model = federation.spec.build()
-    full_model.load_state_dict(federation.global_tensors)
-    server_eval = evaluate(full_model, test, device="cpu")
+    server_eval = evaluate_round(federation, test)
     local_acc = [e.global_accuracy for e in evaluations]
     personal_acc = [e.personalized_accuracy for e in evaluations if e.personalized_accuracy is not None]
     moved = ledger.per_tensor(outcome.round)
@@ -297,6 +296,8 @@ def _round_record(
         "latent_clients": outcome.latent_clients,
         "tensors": tensors,
     }
+    if server_eval.tier_accuracy:
+        record["tier_accuracy"] = server_eval.tier_accuracy
     if config.personalized:
         record["personalized_accuracy"] = mean_or_none(personal_acc)
     return record

@@ -247,6 +247,8 @@ def records_from_store(url: str | Engine, federation_name: str = "default", afte
                     "latent_clients": m.latent_clients,
                     "tensors": _tensors(s, fed.id, n, set(rnd.due)),
                 }
+                if "tier_accuracy" in extra:
+                    record["tier_accuracy"] = dict(extra["tier_accuracy"])
                 if personal:
                     record["personalized_accuracy"] = mean_or_none([p for _, p in evals if p is not None])
                 record["fedavg_equivalent_bytes"] = bandwidth["fedavg_equivalent_bytes"]

@@ -36,6 +36,7 @@ from aggregator_service.logfmt import kv
 from aggregator_service.low_priority import at_lowest_priority
 from aggregator_service.metrics import total_dispersion
 from aggregator_service.rounds import Federation, RoundOutcome
+from aggregator_service.server_evaluation import evaluate_round
 from aggregator_service.updates import ClientUpdate
 from fedcore.keys import client_key
 from fedwire.allocator import release_free_memory
@@ -214,12 +215,10 @@ class Closing:
             },
         }
         if self._eval_data is not None:
-            from fedcore.training import evaluate
-
-            model = fed.spec.build()
-            model.load_state_dict(fed.global_tensors)
-            result = evaluate(model, self._eval_data, device="cpu")
+            result = evaluate_round(fed, self._eval_data)
             metrics["test_accuracy"], metrics["test_loss"] = result.accuracy, _finite_or_none(result.loss)
+            if result.tier_accuracy:
+                metrics["extra"]["tier_accuracy"] = result.tier_accuracy
         return metrics
 
     def tick(self, now: datetime | None = None) -> None:

@@ -191,8 +191,11 @@
   function drawRounds() {
     const closed = [...state.rounds.values()].filter((r) => r.state === "closed").sort((a, b) => a.number - b.number);
     const x = closed.map((r) => r.number);
+    // the global model cut to each tier below 1 (what those clients run), largest tier first
+    const tiers = [...new Set(closed.flatMap((r) => Object.keys(r.tier_accuracy || {})))].sort((a, b) => b - a);
     plot("accuracy", "chart-accuracy", x, [
       { label: "global (server test set)", values: closed.map((r) => r.test_accuracy) },
+      ...tiers.map((t) => ({ label: `cut to tier ${t} (server test set)`, values: closed.map((r) => (r.tier_accuracy || {})[t] ?? null) })),
       { label: "clients, global model", values: closed.map((r) => r.mean_client_accuracy) },
       { label: "clients, personalized", values: closed.map((r) => r.personalized_accuracy) },
     ], { y: { range: [0, 1] }, yLabel: "accuracy", value: (u, v) => pct(v) });

@@ -232,6 +232,11 @@ def print_summary(results: dict[str, Any]) -> None:
         f"  global test accuracy   {s['mean_test_accuracy_last5']:.4f} mean of the last {min(5, s['rounds'])} rounds "
         f"(final {s['final_test_accuracy']:.4f}, best {s['best_test_accuracy']:.4f})"
     )
+    for tier, accuracy in s.get("mean_tier_accuracy_last5", {}).items():
+        print(
+            f"  cut to tier {tier:<10} {accuracy:.4f} mean of the last {min(5, s['rounds'])} rounds "
+            "(what that tier's clients run)"
+        )
     if s.get("final_local_accuracy") is not None:
         print(f"  global model on clients' local tests {s['final_local_accuracy']:.4f}")
     if "final_personalized_accuracy" in s and s["final_personalized_accuracy"] is not None:

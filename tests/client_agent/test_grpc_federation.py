@@ -18,7 +18,9 @@ from aggregator_service import store
 from client_agent.state import ClientState
 from fedatoms import simulate
 from fedatoms.simulate import SimulationConfig, run_simulation
+from fedcore.datasource import open_data
 from fedcore.keys import client_key
+from fedcore.training import evaluate
 
 CONFIG: dict[str, Any] = dict(
     dataset="digits",
@@ -122,6 +124,20 @@ def test_accuracy_rises_and_bytes_stay_below_fedavg(runs) -> None:
     assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in rounds)
     # FedLAMA stretched some intervals: some tensors were not due in some round
     assert any(not t["due"] for r in rounds for t in r["tensors"].values())
+
+
+def test_the_cut_the_server_reports_is_the_model_a_small_device_runs(runs) -> None:
+    """The oracle is a tier-1/4 agent's own model: what it fetched after the last close, evaluated here."""
+    state = ClientState.load(runs["state"] / client_key(1))
+    assert state is not None and state.tier == 0.25
+    model = runs["engine"].tier_spec(0.25).build()
+    model.load_state_dict(state.global_tensors)
+    _, test = open_data("digits", None, download=False)
+    on_device = evaluate(model, test, device="cpu").accuracy
+    for transport in ("grpc", "inprocess"):
+        assert runs[transport]["rounds"][-1]["tier_accuracy"] == {"0.25": on_device}, transport
+    summary = runs["grpc"]["summary"]["mean_tier_accuracy_last5"]
+    assert summary == {"0.25": pytest.approx(sum(r["tier_accuracy"]["0.25"] for r in runs["grpc"]["rounds"]) / 5)}
 
 
 def test_personal_atoms_beat_the_global_model_on_local_tests(runs) -> None:

@@ -41,6 +41,9 @@ def test_rounds_say_what_the_store_says(api: httpx.Client, federation: Federatio
             for key in ("test_accuracy", "test_loss", "dispersion", "latent_clients", "bytes_up", "bytes_down"):
                 assert got[key] == pytest.approx(getattr(metrics, key)), key
             assert got["fedavg_equivalent_bytes"] == metrics.fedavg_equivalent_bytes
+            # the federation serves tiers 1 and 1/4: the server evaluated the global model cut to 1/4
+            assert got["tier_accuracy"] == pytest.approx(metrics.extra["tier_accuracy"])
+            assert set(got["tier_accuracy"]) == {"0.25"} and 0 <= got["tier_accuracy"]["0.25"] <= 1
             summary = store.evaluation_summary(s, fed, rnd.number)
             assert got["evaluations"] == summary["clients"] == len(federation.evaluated[rnd.number])
             assert got["mean_client_accuracy"] == pytest.approx(summary["mean_client_accuracy"])
@@ -246,6 +249,9 @@ def test_prometheus_metrics(dashboard, federation: Federation) -> None:
     assert m["fedatoms_bytes_up_total"] == sum(c.bytes_up for c in clients)
     assert m["fedatoms_bytes_down_total"] == sum(c.bytes_down for c in clients)
     assert m["fedatoms_global_test_accuracy"] == pytest.approx(last.test_accuracy)
+    # the cut to tier 1/4 (a client of that tier runs it), as the aggregator wrote it with the round
+    assert set(last.extra["tier_accuracy"]) == {"0.25"}
+    assert m["fedatoms_tier_test_accuracy{tier=0.25}"] == pytest.approx(last.extra["tier_accuracy"]["0.25"])
     assert m["fedatoms_dispersion"] == pytest.approx(last.dispersion)
     assert 0 <= m["fedatoms_mean_client_accuracy"] <= 1 and 0 <= m["fedatoms_personalized_accuracy"] <= 1
     for t in tensors:

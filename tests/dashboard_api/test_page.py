@@ -51,6 +51,9 @@ def test_page_plots_the_rounds_without_console_errors(
             accuracy = series["accuracy"]
             assert accuracy["x"] == closed
             assert accuracy["global (server test set)"] == pytest.approx([rounds[n]["test_accuracy"] for n in closed])
+            assert accuracy["cut to tier 0.25 (server test set)"] == pytest.approx(
+                [rounds[n]["tier_accuracy"]["0.25"] for n in closed]
+            )
             assert accuracy["clients, global model"] == pytest.approx(
                 [rounds[n]["mean_client_accuracy"] for n in closed]
             )
