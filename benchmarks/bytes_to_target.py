@@ -7,8 +7,9 @@ test accuracy reaches it, the bytes moved up to and including that round (``cumu
 + ``cumulative_bytes_down`` of that round's record: the one byte ledger,
 :class:`aggregator_service.metrics.BandwidthLedger`) and FedAvg's bytes to its own first round at
 the target divided by those (× fewer bytes; "never" when the run did not get there). It also
-prints each configuration's mean-of-last-5 accuracy and writes a plot of accuracy against
-cumulative bytes (mean over seeds).
+prints each configuration's mean-of-last-5 accuracy, that of the global model cut to its smallest
+tier below 1 (the model those clients run), and writes a plot of accuracy against cumulative
+bytes (mean over seeds; the smallest tier's cut dashed).
 
 Configurations (``--configs`` picks a subset):
 
@@ -262,11 +263,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         for name in names
     }
+    cut_curves = {
+        name: (per_seed[0][0], [statistics.fmean(acc[i] for _, acc in per_seed) for i in range(args.rounds)])
+        for name, per_seed in cuts
+    }
     out = plot_accuracy_vs_bytes(
         curves,
         statistics.fmean(targets.values()),
         Path(args.plot),
         title=f"{args.dataset}, {args.clients} clients × {args.classes_per_client} classes, mean of {args.seeds} seeds",
+        cuts=cut_curves,
     )
     print(f"plot: {out}")
     return 0

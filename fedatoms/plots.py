@@ -1,6 +1,6 @@
 """`fedatoms plot`: one figure comparing simulation runs, because curves read better than tables.
 
-Panels: global (and personalized) test accuracy per round, cumulative bytes against the
+Panels: global (personalized, and cut to each tier below 1) test accuracy per round, cumulative bytes against the
 FedAvg-equivalent, the clients' spread within each round, and the per-tensor aggregation intervals of the first run.
 """
 
@@ -39,6 +39,10 @@ def plot_runs(paths: Sequence[str | Path], output: str | Path) -> Path:
         label = run_label(res, path.stem)
         rounds = [r["round"] for r in res["rounds"]]
         (line,) = ax_acc.plot(rounds, [r["test_accuracy"] for r in res["rounds"]], label=f"{label}: global")
+        tiers = res["rounds"][-1].get("tier_accuracy", {})  # the global model cut to each tier below 1
+        for tier, style in zip(tiers, ("-.", (0, (3, 1, 1, 1, 1, 1)), (0, (1, 1))), strict=False):
+            cut = [r.get("tier_accuracy", {}).get(tier) for r in res["rounds"]]
+            ax_acc.plot(rounds, cut, linestyle=style, color=line.get_color(), label=f"{label}: cut to tier {tier}")
         personal = [r.get("personalized_accuracy") for r in res["rounds"]]
         if any(p is not None for p in personal):
             ax_acc.plot(rounds, personal, linestyle="--", color=line.get_color(), label=f"{label}: personalized")
@@ -81,11 +85,13 @@ def plot_accuracy_vs_bytes(
     target: float | None,
     output: str | Path,
     title: str = "",
+    cuts: dict[str, tuple[str, Sequence[float]]] | None = None,
 ) -> Path:
     """Test accuracy against cumulative bytes moved (down + up), one line per run: the papers' figure.
 
     ``curves`` maps a label to (cumulative bytes per round, accuracy per round); ``target`` draws
-    the accuracy to reach as a horizontal line.
+    the accuracy to reach as a horizontal line; ``cuts`` maps some labels to (tier, accuracy per
+    round) of the global model cut to that tier, drawn dashed in the run's colour.
     """
     import matplotlib
 
@@ -94,11 +100,16 @@ def plot_accuracy_vs_bytes(
 
     fig, ax = plt.subplots(figsize=(9, 5.5), constrained_layout=True)
     for label, (moved, accuracy) in curves.items():
-        ax.plot([b / 1e6 for b in moved], accuracy, marker=".", markersize=3, label=label)
+        (line,) = ax.plot([b / 1e6 for b in moved], accuracy, marker=".", markersize=3, label=label)
+        if cuts and label in cuts:
+            tier, cut = cuts[label]
+            ax.plot(
+                [b / 1e6 for b in moved], cut, linestyle="--", color=line.get_color(), label=f"{label}: cut to {tier}"
+            )
     if target is not None:
         ax.axhline(target, color="black", linestyle=":", linewidth=1, label=f"target {target:.3f}")
     ax.set(title=title or "accuracy against bytes", xlabel="cumulative bytes moved (MB, down + up)")
-    ax.set(ylabel="global test accuracy", xscale="log", ylim=(0, 1))
+    ax.set(ylabel="test accuracy (server test set)", xscale="log", ylim=(0, 1))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     output = Path(output)

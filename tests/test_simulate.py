@@ -231,7 +231,12 @@ def test_cli_plot_draws_a_png_from_results(tmp_path: Path):
     from fedatoms.simulate import write_results
 
     write_results(
-        run_simulation(SimulationConfig(**{**SMALL, "rounds": 2}, factorization="atoms", personal_atoms=True)), out
+        run_simulation(
+            SimulationConfig(
+                **{**SMALL, "rounds": 2}, factorization="atoms-lowrank", tiers=[1.0, 0.25], personal_atoms=True
+            )
+        ),
+        out,
     )
     png = tmp_path / "plot.png"
     proc = subprocess.run(
