@@ -131,14 +131,14 @@ def _families(snap: dict) -> Iterator[Metric]:
     ):
         latest = snap[key]
         yield from _gauge(name, doc, None if latest is None else latest[1])
-    cuts = GaugeMetricFamily(
-        "fedatoms_tier_test_accuracy",
-        "Server-side test accuracy of the latest global model cut to a tier below 1 (what that tier's clients run)",
-        labels=["tier"],
-    )
-    for tier, accuracy in snap["tier_accuracy"].items():
-        cuts.add_metric([tier], accuracy)
     if snap["tier_accuracy"]:  # a federation without tiers below 1 has no cut to report
+        cuts = GaugeMetricFamily(
+            "fedatoms_tier_test_accuracy",
+            "Server-side test accuracy of the latest global model cut to a tier below 1 (what that tier's clients run)",
+            labels=["tier"],
+        )
+        for tier, accuracy in snap["tier_accuracy"].items():
+            cuts.add_metric([tier], accuracy)
         yield cuts
     means = snap["evaluations"]
     if means is not None:

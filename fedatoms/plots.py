@@ -6,12 +6,16 @@ FedAvg-equivalent, the clients' spread within each round, and the per-tensor agg
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["plot_accuracy_vs_bytes", "plot_runs", "run_label"]
+
+#: line styles of the cuts to each tier below 1, in the run's colour (dashed is the personalized line)
+CUT_STYLES = ("-.", (0, (3, 1, 1, 1, 1, 1)), (0, (1, 1)))
 
 
 def run_label(results: dict[str, Any], fallback: str) -> str:
@@ -40,7 +44,7 @@ def plot_runs(paths: Sequence[str | Path], output: str | Path) -> Path:
         rounds = [r["round"] for r in res["rounds"]]
         (line,) = ax_acc.plot(rounds, [r["test_accuracy"] for r in res["rounds"]], label=f"{label}: global")
         tiers = res["rounds"][-1].get("tier_accuracy", {})  # the global model cut to each tier below 1
-        for tier, style in zip(tiers, ("-.", (0, (3, 1, 1, 1, 1, 1)), (0, (1, 1))), strict=False):
+        for tier, style in zip(tiers, itertools.cycle(CUT_STYLES)):
             cut = [r.get("tier_accuracy", {}).get(tier) for r in res["rounds"]]
             ax_acc.plot(rounds, cut, linestyle=style, color=line.get_color(), label=f"{label}: cut to tier {tier}")
         personal = [r.get("personalized_accuracy") for r in res["rounds"]]
