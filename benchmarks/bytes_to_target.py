@@ -22,14 +22,18 @@ Configurations (``--configs`` picks a subset):
 Defaults: the bundled digits, 20 clients × 2 classes (shards), half of them per round, E = 2,
 batch 10, lr 0.01 with momentum 0.9 (where ``benchmarks/lr_sweep.py`` finds none and atoms
 learning on digits), 40 rounds, 3 seeds (``--first-seed`` picks where they start, to split seeds across
-runs). ``--set KEY=VALUE`` applies a config key to every run
-(e.g. ``--set fedlama_warmup=0`` for the paper's literal FedLAMA); ``--jobs`` runs that many
-simulations in parallel processes (one torch thread each). A run that takes longer than a minute
+runs). ``--data`` federates your own images instead (an ImageFolder directory, or ``module:function``
+returning ``(train, test)`` Datasets, as ``fedatoms simulate --data``) with the ``--model`` you name.
+``--set KEY=VALUE`` applies a config key to every configuration but FedAvg, which stays the papers'
+baseline (e.g. ``--set warmup_rounds=0`` for FedLAMA's Algorithm 1); the setting FedAvg must share
+(data, split, rounds, rate, model, seed) has its own flags and is refused there. ``--jobs`` runs that
+many simulations in parallel processes (one torch thread each). A run that takes longer than a minute
 reports its latest round about once a minute on stderr.
 
     OMP_NUM_THREADS=1 nice python benchmarks/bytes_to_target.py
     python benchmarks/bytes_to_target.py --rounds 30 --seeds 2 --configs fedavg,atoms+lama4
     python benchmarks/bytes_to_target.py --dataset mnist --data-dir DIR --clients 100 --fraction 0.1 --rounds 50
+    python benchmarks/bytes_to_target.py --data ~/pictures --model mnist-cnn --partition dirichlet
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ from typing import Any
 
 ALL_TIERS = [1.0, 0.5, 0.25, 0.125]
 PROGRESS_EVERY_S = 60.0  # a long run (MNIST: minutes a run) says where it is this often
+
+#: keys of the experiment's setting beyond the flags: --set may not change them for the configurations alone
+SETTING = frozenset({"seed", "batch_size", "model_args", "input_shape", "download", "threads"})
 
 #: configuration name → SimulationConfig keys beyond the shared ones
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -142,6 +149,15 @@ def _run(job: tuple[str, int, dict[str, Any]]) -> tuple[str, int, Outcome]:
     return name, seed, outcome
 
 
+def _split(args: argparse.Namespace) -> str:
+    """The population in words: ``20 clients × 2 classes``, ``… Dirichlet α = 0.5``, ``… IID``."""
+    if args.partition == "shards":
+        return f"{args.clients} clients × {args.classes_per_client} classes"
+    if args.partition == "dirichlet":
+        return f"{args.clients} clients, Dirichlet α = {args.dirichlet_alpha:g}"
+    return f"{args.clients} clients, {args.partition}"
+
+
 def _fmt_bytes(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
@@ -150,10 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", default="digits", help="digits (bundled), mnist, fashion-mnist, cifar10, cifar100")
     p.add_argument("--data-dir", help="where torchvision datasets live (mnist, cifar10, …)")
+    p.add_argument(
+        "--data",
+        metavar="PATH_OR_REF",
+        help="your own data instead of --dataset: an ImageFolder directory or module:function, as in "
+        "fedatoms simulate --data (needs --model)",
+    )
+    p.add_argument("--model", help="the model every configuration federates [the dataset's]")
     p.add_argument("--configs", default=",".join(CONFIGS), help=", ".join(CONFIGS))
     p.add_argument("--clients", type=int, default=20)
     p.add_argument("--fraction", type=float, default=0.5)
-    p.add_argument("--classes-per-client", type=int, default=2)
+    p.add_argument("--partition", default="shards", help="shards, dirichlet or iid, as fedatoms simulate [shards]")
+    p.add_argument("--classes-per-client", type=int, default=2, help="with shards [2]")
+    p.add_argument("--dirichlet-alpha", type=float, default=0.5, help="with dirichlet [0.5]")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--first-seed", type=int, default=0, help="seeds run from this one on [0]: split seeds across runs")
@@ -172,24 +197,42 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown configurations {unknown}; choose among {', '.join(CONFIGS)}")
     if "fedavg" not in names:
         names.insert(0, "fedavg")  # the target and the byte baseline
+    if args.data is not None and args.model is None:
+        p.error(f"--data {args.data} needs --model: the model that takes these images")
+    source = args.data if args.data is not None else args.dataset
     shared: dict[str, Any] = {
         "dataset": args.dataset,
+        "data": args.data,
+        "model": args.model,
         "data_dir": args.data_dir,
         "clients": args.clients,
         "fraction": args.fraction,
+        "partition": args.partition,
         "classes_per_client": args.classes_per_client,
+        "dirichlet_alpha": args.dirichlet_alpha,
         "rounds": args.rounds,
         "local_epochs": args.local_epochs,
         "lr": args.lr,
         "momentum": args.momentum,
         "threads": 1,
     }
+    from dataclasses import fields
+
+    from fedatoms.simulate import SimulationConfig
+
+    config_keys = {f.name for f in fields(SimulationConfig)}
     extra: dict[str, Any] = {}
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
             p.error(f"--set takes KEY=VALUE, got {item!r}")
-        extra[key.replace("-", "_")] = _parse_value(value)
+        key = key.replace("-", "_")
+        if key in shared or key in SETTING:
+            flag = f"; use --{key.replace('_', '-')}" if key in shared else ""
+            p.error(f"--set {key}: FedAvg (the target and the byte baseline) and every configuration share it{flag}")
+        if key not in config_keys:
+            p.error(f"--set {key}: not a config key; the keys are fedatoms simulate's options")
+        extra[key] = _parse_value(value)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     jobs = []
     for name in names:
@@ -201,8 +244,14 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             jobs.append((name, seed, keys))
 
+    try:  # refuse a setting that cannot run before any run starts
+        for keys in {name: keys for name, _, keys in jobs}.values():
+            SimulationConfig(**keys, seed=seeds[0])
+        SimulationConfig(**jobs[0][2], seed=seeds[0]).population().build(fit=())
+    except (TypeError, ValueError, FileNotFoundError) as exc:
+        p.error(str(exc))
     print(
-        f"{args.dataset}: {args.clients} clients × {args.classes_per_client} classes, fraction {args.fraction:g}, "
+        f"{source}: {_split(args)}, fraction {args.fraction:g}, "
         f"E = {args.local_epochs}, lr {args.lr:g}, momentum {args.momentum:g}, batch 10, {args.rounds} rounds, "
         f"{args.seeds} seeds, {len(jobs)} runs, {args.jobs} at a time"
         + (f"; set {', '.join(f'{k}={v}' for k, v in extra.items())}" if extra else ""),
@@ -271,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         curves,
         statistics.fmean(targets.values()),
         Path(args.plot),
-        title=f"{args.dataset}, {args.clients} clients × {args.classes_per_client} classes, mean of {args.seeds} seeds",
+        title=f"{Path(source).name or source}, {_split(args)}, mean of {args.seeds} seeds",
         cuts=cut_curves,
     )
     print(f"plot: {out}")
