@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default=",".join(CONFIGS), help=", ".join(CONFIGS))
     p.add_argument("--clients", type=int, default=20)
     p.add_argument("--fraction", type=float, default=0.5)
-    p.add_argument("--partition", default="shards", help="shards, dirichlet or iid, as fedatoms simulate [shards]")
+    p.add_argument(
+        "--partition", default="shards", choices=("shards", "dirichlet", "iid"), help="as fedatoms simulate [shards]"
+    )
     p.add_argument("--classes-per-client", type=int, default=2, help="with shards [2]")
     p.add_argument("--dirichlet-alpha", type=float, default=0.5, help="with dirichlet [0.5]")
     p.add_argument("--rounds", type=int, default=40)
