@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from aggregator_service.refactorization import Spectra
 from aggregator_service.updates import ClientUpdate
 from fedcore.spec import factored_matrix, tensor_from_matrix
 
@@ -33,8 +34,9 @@ TIER_AVERAGES = ("held", "aligned")
 class HeldAverage:
     """One round's correction: the global tensors' singular bases and the parts low tiers do not hold."""
 
-    def __init__(self, global_tensors: Mapping[str, Tensor]) -> None:
+    def __init__(self, global_tensors: Mapping[str, Tensor], spectra: Spectra | None = None) -> None:
         self._global = global_tensors
+        self._spectra = spectra if spectra is not None else Spectra()  # the tiers' cuts decompose the same tensors
         self._bases: dict[str, tuple[Tensor, Tensor]] = {}  # full name → (L, Rᵀ) of its matrix, float64
         self._unheld: dict[str, Tensor] = {}  # Σ_k p_k (1 − held_k) ⊙ Lᵀ X_k R
         self._rank_weights: dict[str, dict[int, float]] = {}  # rank → Σ p_k of the low-rank clients
@@ -80,9 +82,7 @@ class HeldAverage:
 
     def _basis(self, name: str) -> tuple[Tensor, Tensor]:
         if name not in self._bases:
-            left, _, right_t = torch.linalg.svd(
-                factored_matrix(self._global[name]).detach().to(torch.float64), full_matrices=False
-            )
+            left, _, right_t = self._spectra.of(name, self._global[name])
             self._bases[name] = (left, right_t)
         return self._bases[name]
 

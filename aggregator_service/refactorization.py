@@ -14,6 +14,7 @@ plain layer's outputs); ``"truncated"`` is FedHM's spectral initialization as pr
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Mapping, Sequence
 
 import torch
@@ -21,21 +22,56 @@ from torch import Tensor
 
 from fedcore.spec import ModelSpec, factored_matrix
 
-__all__ = ["TIER_INITS", "refactorize"]
+__all__ = ["TIER_INITS", "Spectra", "refactorize"]
 
 #: how a tier's factors are cut from a tensor no client has trained yet (module docstring)
 TIER_INITS = ("energy", "truncated")
 
 
+class Spectra:
+    """The SVD of each factorized global tensor's matrix, computed once while the tensor stays the same.
+
+    The tiers' cuts (:func:`refactorize`) and the held average's bases
+    (:class:`~aggregator_service.held_average.HeldAverage`) decompose the same round-start tensors:
+    with one ``Spectra`` they share each decomposition instead of each paying for its own. An entry
+    is reused only for the very tensor object it was computed from, unmodified since (its in-place
+    version counter), so a new global tensor is decomposed anew; the previous one's entry is
+    dropped then.
+    """
+
+    def __init__(self) -> None:
+        # a weak reference: a replaced global tensor is not kept alive for its entry
+        self._svds: dict[str, tuple[weakref.ref[Tensor], int, tuple[Tensor, Tensor, Tensor]]] = {}
+
+    def of(self, name: str, full: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(U, S, Vh)`` of ``factored_matrix(full)`` in float64 (thin SVD)."""
+        hit = self._svds.get(name)
+        if hit is not None and hit[0]() is full and hit[1] == full._version:
+            return hit[2]
+        svd = svd_of(full)
+        self._svds[name] = (weakref.ref(full), full._version, svd)
+        return svd
+
+
+def svd_of(full: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The thin SVD, in float64, of the matrix a full-rank tensor is factorized as."""
+    u, s, vh = torch.linalg.svd(factored_matrix(full).detach().to(torch.float64), full_matrices=False)
+    return u, s, vh
+
+
 def refactorize(
-    global_tensors: Mapping[str, Tensor], tier_specs: Sequence[ModelSpec], keep_energy: Collection[str] = ()
+    global_tensors: Mapping[str, Tensor],
+    tier_specs: Sequence[ModelSpec],
+    keep_energy: Collection[str] = (),
+    spectra: Spectra | None = None,
 ) -> dict[float, dict[str, Tensor]]:
     """Every tier's download: truncated-SVD factors (√Σ split) of the factorized tensors, others as they are.
 
     Truncated SVDs are nested, so each factorized full-rank tensor is decomposed once and
     sliced at every tier's rank; the result equals ``spec.from_full(global_tensors)`` per
     tier. Full-rank tensors named in ``keep_energy`` are cut with their kept singular values
-    scaled to the whole tensor's Frobenius norm (``"energy"`` in :data:`TIER_INITS`).
+    scaled to the whole tensor's Frobenius norm (``"energy"`` in :data:`TIER_INITS`). ``spectra``
+    shares the decompositions with the round's held average.
     Un-factorized tensors (and a γ = 1 tier entirely) share storage with ``global_tensors``:
     do not modify them in place.
     """
@@ -49,8 +85,7 @@ def refactorize(
             elif t.role.endswith("_u"):
                 full = global_tensors[t.full_name]
                 if t.full_name not in svds:
-                    matrix = factored_matrix(full).detach().to(torch.float64)
-                    svds[t.full_name] = torch.linalg.svd(matrix, full_matrices=False)
+                    svds[t.full_name] = spectra.of(t.full_name, full) if spectra is not None else svd_of(full)
                 u_, s, vh = svds[t.full_name]
                 rank = t.shape[1]
                 kept = s[:rank]

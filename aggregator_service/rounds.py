@@ -20,7 +20,7 @@ from torch import Tensor
 from aggregator_service.held_average import TIER_AVERAGES, HeldAverage
 from aggregator_service.intervals import IntervalPolicy, discrepancy
 from aggregator_service.metrics import latent_clients
-from aggregator_service.refactorization import TIER_INITS, refactorize
+from aggregator_service.refactorization import TIER_INITS, Spectra, refactorize
 from aggregator_service.strategies import RoundAccumulator, Strategy
 from aggregator_service.update_bounds import UpdateBounds
 from aggregator_service.updates import AggregateResult, ClientUpdate
@@ -140,6 +140,8 @@ class Federation:
         self.round = 0
         self.cohort: tuple[str, ...] = ()
         self._tier_cache: tuple[tuple[int, ...], dict[float, dict[str, Tensor]]] = ((), {})
+        #: the round-start tensors' SVDs, shared by the tiers' cuts and the held average
+        self._spectra = Spectra()
         self._tier_specs: dict[float, ModelSpec] = {}
         self._acc: RoundAccumulator | None = None
         self._plan: RoundPlan | None = None
@@ -158,6 +160,7 @@ class Federation:
             id(self.spec): self.spec,
             id(self._tier_cache): ((), {}),
             id(self._tier_specs): self._tier_specs,
+            id(self._spectra): self._spectra,
         }
         memo.update((id(t), t) for t in self.global_tensors.values())
         return copy.deepcopy(self, memo)
@@ -180,7 +183,9 @@ class Federation:
         if cached_key != key or tier not in per_tier:
             tiers = sorted({*self.tiers, float(tier)}, reverse=True)
             untrained = [n for n, v in self.versions.items() if v == 0] if self.tier_init == "energy" else []
-            per_tier = refactorize(self.global_tensors, [self.tier_spec(t) for t in tiers], frozenset(untrained))
+            per_tier = refactorize(
+                self.global_tensors, [self.tier_spec(t) for t in tiers], frozenset(untrained), self._spectra
+            )
             self._tier_cache = (key, per_tier)
         return per_tier[tier]
 
@@ -218,7 +223,7 @@ class Federation:
         self._plan = plan
         self._acc = self.strategy.begin(self.global_tensors, plan.due)
         if self.tier_average == "held" and any(t < 1.0 for t in self.tiers):
-            self._acc.held = HeldAverage(self.global_tensors)
+            self._acc.held = HeldAverage(self.global_tensors, self._spectra)
         self._fold_order = []
 
     def fold(self, update: ClientUpdate) -> None:

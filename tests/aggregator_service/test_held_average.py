@@ -146,3 +146,31 @@ def test_resnet18_convs_differ_from_fedhms_average_only_where_the_low_tier_does_
     for name in spec.full().names:
         if name not in factorized:
             assert torch.equal(held[name], aligned[name]), name  # BN, biases, 1×1 shortcuts, the head
+
+
+def test_a_mixed_round_decomposes_each_factorized_tensor_once(monkeypatch) -> None:
+    """The tiers' cuts and the held average decompose the same round-start tensors: one SVD each."""
+    calls: list[tuple[int, ...]] = []
+    svd = torch.linalg.svd
+
+    def counting_svd(matrix: torch.Tensor, **kwargs):
+        calls.append(tuple(matrix.shape))
+        return svd(matrix, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "svd", counting_svd)
+    _round("held")
+    factorized = [t.full_name for t in SPEC.at_tier(0.125).tensors if t.full_name and t.role.endswith("_u")]
+    assert len(calls) == len(factorized) == 2  # conv2 and fc1 of the digits CNN, each once
+
+
+def test_spectra_decompose_a_tensor_again_only_once_it_changed() -> None:
+    from aggregator_service.refactorization import Spectra
+
+    spectra = Spectra()
+    tensor = torch.tensor([[3.0, 0.0], [0.0, 1.0]])
+    first = spectra.of("w", tensor)
+    assert spectra.of("w", tensor) is first
+    assert first[1].tolist() == [3.0, 1.0]
+    tensor.mul_(2.0)  # in place: the same object, changed
+    assert spectra.of("w", tensor)[1].tolist() == [6.0, 2.0]
+    assert spectra.of("w", torch.tensor([[0.0, 5.0], [4.0, 0.0]]))[1].tolist() == [5.0, 4.0]  # a new tensor
