@@ -272,7 +272,7 @@ def _write_all(fd: int | None, data: bytes | memoryview, offset: int) -> None:
 def _read_all(fd: int | None, size: int, offset: int) -> np.ndarray:
     assert fd is not None
     buf = np.empty(size, dtype=np.uint8)
-    view, done = memoryview(buf), 0
+    view, done = memoryview(buf), 0  # type: ignore[arg-type]  # a numpy array is a buffer; typeshed's Buffer does not say so
     while done < size:
         got = os.preadv(fd, [view[done:]], offset + done)
         if got == 0:

@@ -115,9 +115,11 @@ class Factorization:
                 dilation=dilation,
                 bias=bias,
             )
+        # fmt: off
         return nn.Conv2d(
-            in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation, bias=bias
+            in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation, bias=bias  # type: ignore[arg-type]  # Conv2d takes any tuple
         )
+        # fmt: on
 
     def linear(self, in_features: int, out_features: int, keep_full_rank: bool = False, bias: bool = True) -> nn.Module:
         rank = min(rank_for(self.rank_ratio, out_features), in_features)
@@ -223,7 +225,7 @@ def _replacement(old: nn.Module, f: Factorization, keep_full_rank: bool) -> nn.M
     if isinstance(old, nn.Linear):
         if keep_full_rank:
             return None
-        return f.linear(old.in_features, old.out_features, bias=old.bias is not None).to(device)
+        return f.linear(old.in_features, old.out_features, bias=old.bias is not None).to(device)  # type: ignore[arg-type]  # a parameter's device
     assert isinstance(old, nn.Conv2d)
     new = f.conv(
         old.in_channels,
@@ -237,4 +239,4 @@ def _replacement(old: nn.Module, f: Factorization, keep_full_rank: bool) -> nn.M
     )
     if type(new) is nn.Conv2d:
         return None  # nothing to factorize at this tier: keep the original layer (and its values)
-    return new.to(device)
+    return new.to(device)  # type: ignore[arg-type]  # a parameter's device

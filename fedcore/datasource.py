@@ -64,7 +64,7 @@ def open_data(
     """
     kind = describe(text, label)
     if kind == "bundled":
-        return load_dataset(text, data_dir, download=download)
+        return load_dataset(text, data_dir, download=download)  # type: ignore[return-value]  # ArrayDataset is a Dataset
     try:
         if kind == "folder":
             return _open_folder(Path(text).expanduser())
@@ -85,7 +85,7 @@ def evaluation_set(
     statistics (every party normalizes by its own data). A reference that returns no test set has none.
     """
     _, test = open_data(text, data_dir, label="eval_data")
-    if test is None or len(test) == 0:
+    if test is None or len(test) == 0:  # type: ignore[arg-type]  # map-style datasets have a length
         raise DataSourceError(f"eval_data {text!r} has no test split to evaluate on")
     fitted, _, _ = fit_to_model(test, None, input_shape, normalization)
     return fitted

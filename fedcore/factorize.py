@@ -55,7 +55,7 @@ def _full_shape(layer: nn.Module) -> torch.Size:
     if isinstance(layer, LowRankLinear):
         return torch.Size((layer.out_features, layer.in_features))
     k = layer.kernel_size
-    return torch.Size((layer.out_channels, layer.in_channels, k, k))
+    return torch.Size((layer.out_channels, layer.in_channels, k, k))  # type: ignore[arg-type]  # nn.Module attributes type as Tensor | Module
 
 
 def _fit(layer: nn.Module, source: nn.Conv2d | nn.Linear) -> None:

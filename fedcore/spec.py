@@ -158,7 +158,7 @@ def _derive(spec: ModelSpec) -> tuple:
         tensors.append(TensorSpec(name, tuple(t.shape), _dtype_name(t.dtype), role, full_name))
     params = sum(p.numel() for p in net.parameters())
     _check_outputs(spec, net)
-    macs = count_macs(net, spec.input_shape)
+    macs = count_macs(net, spec.input_shape)  # type: ignore[arg-type]  # _derive runs on a spec whose input_shape __post_init__ set
     return tuple(tensors), params, macs
 
 
@@ -167,9 +167,9 @@ def _check_outputs(spec: ModelSpec, net: nn.Module) -> None:
     net.eval()
     try:
         with torch.no_grad():
-            out = net(torch.zeros(1, *spec.input_shape, device="meta"))
+            out = net(torch.zeros(1, *spec.input_shape, device="meta"))  # type: ignore[misc]  # as above
     except Exception as exc:  # any failure of a user's forward is reported with the shape tried
-        raise ValueError(f"model {spec.model!r} cannot take inputs of shape {list(spec.input_shape)}: {exc}") from exc
+        raise ValueError(f"model {spec.model!r} cannot take inputs of shape {list(spec.input_shape)}: {exc}") from exc  # type: ignore[arg-type]  # as above
     if isinstance(out, Tensor) and tuple(out.shape) != (1, spec.num_classes):
         raise ValueError(
             f"model {spec.model!r} gives outputs of shape {list(out.shape[1:])} per sample, not {spec.num_classes} "

@@ -81,6 +81,7 @@ class AtomSteps:
         groups: list[tuple[_Group, list[nn.Parameter]]] = []
         #: factor pairs W = U V whose gradients ScaledGD preconditions: (U, V, U trains, V trains)
         self._pairs: list[tuple[nn.Parameter, nn.Parameter, bool, bool]] = []
+        pair: tuple[str, str] | None
         for path, layer in model.named_modules():
             prefix = f"{path}." if path else ""
             if isinstance(layer, LowRankConv2d | LowRankLinear):
@@ -123,10 +124,10 @@ class AtomSteps:
         if factor in ("lowrank_u", "lowrank_v") and self.rule == "preconditioned":
             return 0.0
         if factor == "lowrank_u":  # moves W by ΔU·V
-            return _top_squared_singular_value(layer.lowrank_v)
+            return _top_squared_singular_value(layer.lowrank_v)  # type: ignore[arg-type]  # nn.Module attributes type as Tensor | Module
         if factor == "lowrank_v":  # moves W by U·ΔV
-            return _top_squared_singular_value(layer.lowrank_u)
+            return _top_squared_singular_value(layer.lowrank_u)  # type: ignore[arg-type]  # as above
         if factor == "atoms":  # moves W by A·ΔD: bounded by the coefficients' top singular value
-            return _top_squared_singular_value(layer.coefficient_tensor().reshape(-1, layer.num_atoms))
+            return _top_squared_singular_value(layer.coefficient_tensor().reshape(-1, layer.num_atoms))  # type: ignore[operator]  # as above
         # moves W by Δα·D: bounded by the atoms' top singular value
-        return _top_squared_singular_value(layer.atoms.reshape(layer.num_atoms, -1))
+        return _top_squared_singular_value(layer.atoms.reshape(layer.num_atoms, -1))  # type: ignore[call-overload,operator]  # as above

@@ -88,7 +88,7 @@ class Batches:
 
     def __init__(self, data: Dataset | TorchDataset, device: torch.device) -> None:
         self.device = device
-        self.n = len(data)
+        self.n = len(data)  # type: ignore[arg-type]  # map-style datasets have a length
         if self.n == 0:
             raise ValueError("dataset is empty")
         x, y = getattr(data, "x", None), getattr(data, "y", None)
