@@ -48,15 +48,9 @@ class Spectra:
         hit = self._svds.get(name)
         if hit is not None and hit[0]() is full and hit[1] == full._version:
             return hit[2]
-        svd = svd_of(full)
-        self._svds[name] = (weakref.ref(full), full._version, svd)
-        return svd
-
-
-def svd_of(full: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The thin SVD, in float64, of the matrix a full-rank tensor is factorized as."""
-    u, s, vh = torch.linalg.svd(factored_matrix(full).detach().to(torch.float64), full_matrices=False)
-    return u, s, vh
+        u, s, vh = torch.linalg.svd(factored_matrix(full).detach().to(torch.float64), full_matrices=False)
+        self._svds[name] = (weakref.ref(full), full._version, (u, s, vh))
+        return self._svds[name][2]
 
 
 def refactorize(
@@ -75,7 +69,7 @@ def refactorize(
     Un-factorized tensors (and a γ = 1 tier entirely) share storage with ``global_tensors``:
     do not modify them in place.
     """
-    svds: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
+    spectra = spectra if spectra is not None else Spectra()
     out: dict[float, dict[str, Tensor]] = {}
     for spec in tier_specs:
         tier: dict[str, Tensor] = {}
@@ -84,9 +78,7 @@ def refactorize(
                 tier[t.name] = global_tensors[t.name]
             elif t.role.endswith("_u"):
                 full = global_tensors[t.full_name]
-                if t.full_name not in svds:
-                    svds[t.full_name] = spectra.of(t.full_name, full) if spectra is not None else svd_of(full)
-                u_, s, vh = svds[t.full_name]
+                u_, s, vh = spectra.of(t.full_name, full)
                 rank = t.shape[1]
                 kept = s[:rank]
                 if t.full_name in keep_energy:
