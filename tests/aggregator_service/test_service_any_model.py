@@ -32,7 +32,7 @@ NUM_CLASSES = 4
 MODELS = {
     "torchvision.models:resnet18": {"num_classes": NUM_CLASSES},
     "torchvision.models:mobilenet_v3_small": {"num_classes": NUM_CLASSES},
-    "user_models:cifar_vgg11_bn": {"num_classes": NUM_CLASSES},
+    "user_models:cifar_vgg11_bn": {"num_classes": NUM_CLASSES, "width": 32},  # 256-channel convs at most
     "user_models:UserCNN": {"num_classes": NUM_CLASSES, "width": 8},
 }
 # factorization → the tiers of the two clients (γ = ½ becomes LOW below)

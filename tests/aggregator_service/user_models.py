@@ -38,18 +38,21 @@ class UserCNN(nn.Module):
         return self.classifier(torch.relu(self.fc(self.features(x).flatten(1))))
 
 
-def cifar_vgg11_bn(num_classes: int = 10) -> nn.Module:
+def cifar_vgg11_bn(num_classes: int = 10, width: int = 64) -> nn.Module:
     """torchvision's ``vgg11_bn`` features (its ``make_layers``, its init) with the usual CIFAR classifier.
 
     At 32×32 torchvision's ImageNet classifier is 25088→4096→4096 (123M parameters), too large to
     federate in a test, and ``VGG()`` builds and initializes it before it could be replaced (most
     of a build's time): the convs and BatchNorms, the part fedatoms factorizes, are torchvision's own.
+    ``width`` is the first conv's channels (64 in VGG-11; every later width scales with it), as
+    CIFAR users narrow VGG for small devices.
     """
+    layers = [v if v == "M" else int(v) * width // 64 for v in cfgs["A"]]
     net = nn.Sequential()
-    net.features = make_layers(cfgs["A"], batch_norm=True)
+    net.features = make_layers(layers, batch_norm=True)
     net.avgpool = nn.AdaptiveAvgPool2d(1)
     net.flatten = nn.Flatten()
-    net.classifier = nn.Sequential(nn.Linear(512, 128), nn.ReLU(), nn.Linear(128, num_classes))
+    net.classifier = nn.Sequential(nn.Linear(8 * width, 128), nn.ReLU(), nn.Linear(128, num_classes))
     for m in net.features.modules():  # as torchvision.models.VGG initializes them
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")

@@ -6,8 +6,6 @@ registration could happen, and checks the database afterwards: nothing registere
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from processes import SECRET, Aggregator, federation_toml
 from sqlalchemy import func, select
@@ -18,10 +16,12 @@ from aggregator_service import store
 from fedatoms.cli import main
 
 
-@pytest.fixture
-def aggregator(tmp_path: Path):
-    config = federation_toml(tmp_path / "federation.toml", model="digits-cnn", rounds=1)
-    server = Aggregator(config, free_port(), f"sqlite:///{tmp_path / 'agg.db'}", tmp_path / "server.log").start()
+@pytest.fixture(scope="module")
+def aggregator(tmp_path_factory: pytest.TempPathFactory):
+    """One server for every case: none may register, so each finds the database as empty as the first did."""
+    root = tmp_path_factory.mktemp("aggregator")
+    config = federation_toml(root / "federation.toml", model="digits-cnn", rounds=1)
+    server = Aggregator(config, free_port(), f"sqlite:///{root / 'agg.db'}", root / "server.log").start()
     yield server
     server.stop()
 
