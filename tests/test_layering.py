@@ -3,12 +3,15 @@
 The oracle is the table of arrows in docs/architecture.md, written here by hand: the import
 graph is read from the source with ``ast`` (lazy imports inside functions included), so a
 new upward import, a cycle between modules or a ``from other_package import _private``
-fails this test before a reader meets it.
+fails this test before a reader meets it. The command line's parser, which every ``fedatoms``
+process builds, imports none of the heavy layers its other commands need.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -164,3 +167,20 @@ def test_the_check_catches_what_it_is_for(tmp_path: Path, source: str, expect: s
 
 def test_a_planted_cycle_is_found() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_command_line_builds_its_parser_without_the_dashboard_or_the_store() -> None:
+    """Every `fedatoms` process (an aggregator, each client) builds the whole parser: FastAPI, the
+    dashboard app and the database layer load only in the commands that use them."""
+    probe = (
+        "import sys; from fedatoms.cli import build_parser; build_parser(); "
+        "print(sorted(m for m in ('fastapi', 'uvicorn', 'dashboard_api.app', 'aggregator_service.store') "
+        "if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+    # and the package still offers its app to those who import it
+    import dashboard_api
+
+    assert callable(dashboard_api.create_app) and dashboard_api.DashboardSettings.__name__ == "DashboardSettings"
