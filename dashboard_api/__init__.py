@@ -6,6 +6,7 @@ not import FastAPI and the store to build their parser.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -14,14 +15,10 @@ if TYPE_CHECKING:
 
 __all__ = ["DashboardSettings", "create_app"]
 
+_MODULE_OF = {"create_app": ".app", "DashboardSettings": ".settings"}
+
 
 def __getattr__(name: str) -> Any:
-    if name == "create_app":
-        from .app import create_app
-
-        return create_app
-    if name == "DashboardSettings":
-        from .settings import DashboardSettings
-
-        return DashboardSettings
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
