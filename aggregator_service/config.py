@@ -30,6 +30,7 @@ from fedcore.model_input import Normalization
 from fedcore.spec import ModelSpec
 from fedcore.tiers import TIERS
 from fedcore.training import TrainConfig
+from fedcore.training.nested import TIER_TRAININGS
 from fedcore.training.personalization import SPLITS, personal_tensors
 
 __all__ = ["DEMO_ENROLLMENT_SECRET", "AggregatorSettings", "FederationConfig"]
@@ -108,6 +109,9 @@ class FederationConfig:
     tier_init: str = "energy"
     #: factorized entries averaged over the clients whose tier holds them ("held") or FedHM's eq. 1 ("aligned")
     tier_average: str = "held"
+    #: mixed tiers: a larger tier trains the smallest tier's part of its model as that model ("nested"), or
+    #: every tier its own model ("own", FedHM as printed)
+    tier_training: str = "nested"
     seed: int = 0
     #: ``{mean = [..], std = [..]}`` per input channel for clients' images; unset: each client's own statistics.
     normalization: dict[str, list[float]] | None = None
@@ -152,6 +156,8 @@ class FederationConfig:
             raise ValueError(f"tier_init must be one of {', '.join(TIER_INITS)}, got {self.tier_init!r}")
         if self.tier_average not in TIER_AVERAGES:
             raise ValueError(f"tier_average must be one of {', '.join(TIER_AVERAGES)}, got {self.tier_average!r}")
+        if self.tier_training not in TIER_TRAININGS:
+            raise ValueError(f"tier_training must be one of {', '.join(TIER_TRAININGS)}, got {self.tier_training!r}")
         warmup_for(self.warmup_rounds, self.phi, self.lama_warmup)  # an unknown rule fails now
         if self.hold_cohort not in HOLD_COHORT:
             raise ValueError(f"hold_cohort must be one of {', '.join(HOLD_COHORT)}, got {self.hold_cohort!r}")
@@ -220,11 +226,15 @@ class FederationConfig:
         )
 
     def train_config(self, device: str = "auto") -> TrainConfig:
-        """What clients train with: the training keys as set here, FedProx's ``mu`` only under fedprox."""
+        """What clients train with: the training keys as set here, FedProx's ``mu`` only under fedprox, and with
+        mixed tiers trained nested the smallest tier."""
+        smallest = min(self.tiers)
+        nested = self.tier_training == "nested" and smallest < 1.0 and max(self.tiers) > smallest
         return replace(
             FEDERATION_TRAINING,
             **{name: getattr(self, name) for name in _TRAINING_KEYS},
             prox_mu=self.mu if self.strategy == "fedprox" else 0.0,
+            nested_rank_ratio=smallest if nested else None,
             device=device,
         )
 

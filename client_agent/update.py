@@ -16,6 +16,7 @@ from client_agent.state import ClientState
 from fedcore.spec import ModelSpec
 from fedcore.training import Dataset, TrainConfig, evaluate, local_update, personalized_model
 from fedcore.training.finetune import fine_tune
+from fedcore.training.nested import nested_cut
 from fedcore.training.personalization import SPLITS, personal_tensors
 from fedcore.training.terms import LocalTerms
 
@@ -104,6 +105,7 @@ def run_task(
             personal_atoms=state.personal_atoms if personal_atoms else None,
             personal_model=state.personal_model if method == "ditto" else None,
             on_epoch=(lambda done, total: bar.update(1)) if bar is not None else None,
+            nested=None if task.config.nested_rank_ratio is None else nested_cut(spec, task.config.nested_rank_ratio),
         )
     finally:
         if bar is not None:

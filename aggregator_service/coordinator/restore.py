@@ -33,7 +33,12 @@ _MUTABLE_CONFIG_KEYS = frozenset({"rounds"})
 
 #: method keys added after federations were stored, with the behaviour a federation stored without
 #: one ran with: it keeps that behaviour across an upgrade instead of being refused or changed
-_KEYS_SINCE: dict[str, Any] = {"tier_init": "truncated", "tier_average": "aligned", "lama_warmup": "rounds"}
+_KEYS_SINCE: dict[str, Any] = {
+    "tier_init": "truncated",
+    "tier_average": "aligned",
+    "lama_warmup": "rounds",
+    "tier_training": "own",
+}
 
 #: method keys whose default a later release changed: (the old default, the new one). A federation stored
 #: with the old default and configured with the new one (an upgrade, the operator's settings unchanged)
@@ -71,8 +76,8 @@ def load(shared: Shared) -> None:
         predates = {k: v for k, v in _KEYS_SINCE.items() if not created and k not in row.config}
         if predates:
             log.info(kv("federation_predates_keys", name=settings.federation_name, keeps=predates))
-        method = replace(shared.config, **predates) if predates else shared.config
-        fed = method.build_federation(num_clients_total=max(1, total))
+            shared.config = replace(shared.config, **predates)  # for the server and the clients it trains
+        fed = shared.config.build_federation(num_clients_total=max(1, total))
         fed.bounds = settings.update_bounds
         if created:
             intervals = fed.policy.intervals()

@@ -169,6 +169,11 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
         choices=["held", "aligned"],
         help="mixed tiers: each factorized entry averaged over the clients that hold it (default), or FedHM's eq. 1",
     )
+    g.add_argument(
+        "--tier-training",
+        choices=["nested", "own"],
+        help="mixed tiers: larger tiers train the smallest tier's part as that model (default), or each its own",
+    )
     g.add_argument("--personal-atoms", action="store_true", default=None, help="keep personal atoms per client")
     g.add_argument("--personal-epochs", type=int, help="personal atoms', Ditto's and FT's epochs (default: local)")
     g.add_argument(

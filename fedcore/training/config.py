@@ -63,6 +63,9 @@ class TrainConfig:
     ditto_lambda: float = 0.75
     #: BatchNorm statistics pushed: "precise" (recomputed for the trained weights) or "running" (as trained)
     bn_statistics: str = "precise"
+    #: a mixed-tier federation's smallest tier: a larger tier trains that tier's part of its model as that
+    #: model (fedcore.training.nested); None: every tier trains its own model (FedHM as printed)
+    nested_rank_ratio: float | None = None
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -85,6 +88,8 @@ class TrainConfig:
         _check_float("ditto_lambda", self.ditto_lambda)
         if self.bn_statistics not in BN_STATISTICS:
             raise ValueError(f"bn_statistics must be one of {', '.join(BN_STATISTICS)}, got {self.bn_statistics!r}")
+        if self.nested_rank_ratio is not None:
+            _check_float("nested_rank_ratio", self.nested_rank_ratio, positive=True, below_one=True)
         if not isinstance(self.device, str) or not self.device:
             raise ValueError(f"device must be a non-empty string, got {self.device!r}")
 

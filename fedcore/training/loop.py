@@ -23,6 +23,7 @@ from torch.utils.data import Dataset as TorchDataset
 
 from fedcore.training.atom_steps import AtomSteps
 from fedcore.training.config import TrainConfig
+from fedcore.training.nested import NestedCut, NestedPasses
 
 __all__ = [
     "Batches",
@@ -144,6 +145,7 @@ def sgd(
     penalty: Callable[[], Tensor | None] | None = None,
     correction: Mapping[str, Tensor] | None = None,
     on_epoch: Callable[[int, int], None] | None = None,
+    nested: NestedCut | None = None,
 ) -> EpochStats:
     """Minibatch SGD on ``params`` with a fresh optimizer (momentum restarts every round).
 
@@ -151,10 +153,15 @@ def sgd(
     cannot normalize it.
 
     ``penalty`` adds a regularizer to the loss; ``correction`` is added to each gradient after
-    backward (SCAFFOLD's ``c − c_i``). Returns the last epoch's mean loss and accuracy.
+    backward (SCAFFOLD's ``c − c_i``). With ``nested`` each step adds the loss of the model cut to the
+    smallest tier (:mod:`fedcore.training.nested`). Returns the last epoch's mean loss and accuracy
+    (the whole model's).
     """
     smallest = smallest_batch(model)
     steps_of = AtomSteps(model, params, config.lr, config.atom_lr)
+    passes = None if nested is None else NestedPasses(nested, params)
+    if passes is not None and passes.empty:
+        passes = None
     optimizer = torch.optim.SGD(
         steps_of.param_groups, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
@@ -167,9 +174,13 @@ def sgd(
         last = epoch == epochs - 1
         for xb, yb in batches.epoch(config.batch_size, generator, smallest):
             optimizer.zero_grad(set_to_none=True)
-            logits = model(xb)
-            loss = F.cross_entropy(logits, yb)
-            total = loss
+            if passes is None:
+                logits = model(xb)
+                loss = F.cross_entropy(logits, yb)
+                total = loss
+            else:
+                logits, loss, cut_loss = passes.losses(model, params, xb, yb)
+                total = loss + cut_loss
             if penalty is not None:
                 extra = penalty()
                 if extra is not None:

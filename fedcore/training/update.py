@@ -16,6 +16,7 @@ from fedcore.training.config import LocalResult, TrainConfig
 from fedcore.training.ditto import check_personal_model, train_ditto
 from fedcore.training.fedrep import head_parameters, train_head
 from fedcore.training.loop import Batches, Dataset, resolve_device, seeded, sgd, training_only
+from fedcore.training.nested import NestedCut
 from fedcore.training.personal import atom_names, check_personal_atoms, train_personal
 from fedcore.training.personalization import SPLITS
 from fedcore.training.terms import LocalTerms, combine, frobenius_penalty, proximal_penalty
@@ -40,6 +41,7 @@ def local_update(
     personal_atoms: Mapping[str, Tensor] | None = None,
     personal_model: Mapping[str, Tensor] | None = None,
     on_epoch: Callable[[int, int], None] | None = None,
+    nested: NestedCut | None = None,
 ) -> LocalResult:
     """One client's round of local training; ``model`` is trained in place on the resolved device.
 
@@ -57,7 +59,9 @@ def local_update(
     (:func:`~fedcore.training.fedrep.train_head`) and then only the body. The other baselines train
     the model as it is given (the caller loads the client's personal tensors into it). With
     ``config.bn_statistics == "precise"`` the model's BatchNorm statistics are then recomputed for
-    its trained weights (:mod:`~fedcore.training.batchnorm`).
+    its trained weights (:mod:`~fedcore.training.batchnorm`). ``nested`` (a client above its mixed-tier
+    federation's smallest tier) trains the smallest tier's part of the model as that model
+    (:mod:`~fedcore.training.nested`); the personal phases train as they are.
     """
     began = time.perf_counter()
     device = resolve_device(config.device)
@@ -117,7 +121,9 @@ def local_update(
     model.train()
     try:
         with training_only(model, params), seeded(seed, device):
-            stats = sgd(model, params, batches, config, config.local_epochs, seed, penalty, correction, on_epoch)
+            stats = sgd(
+                model, params, batches, config, config.local_epochs, seed, penalty, correction, on_epoch, nested
+            )
     finally:
         model.train(was_training)
 

@@ -1,9 +1,9 @@
 """A federation stored before a method key existed keeps the behaviour it ran with across an upgrade.
 
-``tier_init``, ``tier_average`` and ``lama_warmup`` came after federations were stored: one stored without them
-restarts (not refused as "a different method") and keeps FedHM's truncated cut and aligned
-average; one stored with a value is held to it. ``atom_lr``'s default changed: one stored with the old default
-keeps it when restarted with unchanged settings.
+``tier_init``, ``tier_average``, ``tier_training`` and ``lama_warmup`` came after federations were stored: one
+stored without them restarts (not refused as "a different method") and keeps FedHM's truncated cut, aligned
+average and tiers that each train their own model; one stored with a value is held to it. ``atom_lr``'s
+default changed: one stored with the old default keeps it when restarted with unchanged settings.
 """
 
 from __future__ import annotations
@@ -40,11 +40,14 @@ def test_a_federation_stored_before_the_tier_rules_restarts_with_fedhms(backend,
         "energy",
         "held",
     )
+    assert first.coordinator.shared.config.train_config().nested_rank_ratio == 0.25  # tiers 1 and ¼: nested
     first.stop()
-    _drop_stored_keys(url, "tier_init", "tier_average")
+    _drop_stored_keys(url, "tier_init", "tier_average", "tier_training")
 
-    fed = start_service(url).coordinator.shared.federation  # the default settings: not refused
+    shared = start_service(url).coordinator.shared  # the default settings: not refused
+    fed = shared.federation
     assert (fed.tier_init, fed.tier_average) == ("truncated", "aligned")
+    assert shared.config.train_config().nested_rank_ratio is None  # what its clients are told: each its own model
     expected = fed.tier_spec(0.25).from_full(fed.global_tensors)  # FedHM's exact cut, version 0 included
     got = fed.tier_tensors(0.25)
     assert all(torch.allclose(got[n], expected[n], atol=1e-6) for n in expected)
