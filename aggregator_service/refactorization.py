@@ -20,7 +20,7 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from fedcore.spec import ModelSpec, factored_matrix
+from fedcore.spec import ModelSpec, factored_matrix, pair_v
 
 __all__ = ["TIER_INITS", "Spectra", "refactorize"]
 
@@ -85,7 +85,7 @@ def refactorize(
                     kept = kept * _energy_ratio(s, rank)
                 root = kept.sqrt()
                 tier[t.name] = (u_[:, :rank] * root).to(full.dtype)
-                tier[t.name[: -len("_u")] + "_v"] = (root[:, None] * vh[:rank]).to(full.dtype)
+                tier[pair_v(t.name)] = (root[:, None] * vh[:rank]).to(full.dtype)
         out[spec.rank_ratio] = {t.name: tier[t.name] for t in spec.tensors}
     return out
 

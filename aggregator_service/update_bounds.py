@@ -25,7 +25,7 @@ from torch import Tensor
 
 from aggregator_service.errors import InvalidArgument
 from aggregator_service.updates import ClientUpdate
-from fedcore.spec import ModelSpec
+from fedcore.spec import ModelSpec, pair_v
 
 __all__ = ["NORM_MODES", "UpdateBounds"]
 
@@ -94,7 +94,7 @@ def _peaks(spec: ModelSpec, tensors: Mapping[str, Tensor], limit: float) -> dict
         if t.full_name is None:
             peaks[t.name] = float(tensor.abs().max())
         elif t.role.endswith("_u"):
-            v_name = t.name[: -len("_u")] + "_v"
+            v_name = pair_v(t.name)
             u, v = tensor.double(), tensors[v_name].double()
             bound = float(torch.linalg.vector_norm(u, dim=1).max() * torch.linalg.vector_norm(v, dim=0).max())
             if bound <= limit:

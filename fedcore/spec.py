@@ -43,6 +43,7 @@ __all__ = [
     "TensorSpec",
     "count_macs",
     "factored_matrix",
+    "pair_v",
     "tensor_from_matrix",
     "tensor_roles",
 ]
@@ -382,7 +383,7 @@ class ModelSpec:
                 out[t.name] = tensors[t.name]
                 continue
             u_name = t.name[: -len("_v")] + "_u" if t.role.endswith("_v") else t.name
-            v_name = u_name[: -len("_u")] + "_v"
+            v_name = pair_v(u_name)
             if u_name not in tensors or v_name not in tensors:
                 missing = v_name if u_name in tensors else u_name
                 raise KeyError(f"tensor {missing!r} must travel with its factor pair for {t.full_name!r}")
@@ -401,7 +402,7 @@ class ModelSpec:
                 rank = t.shape[1]
                 u, v = matrix_to_factors(factored_matrix(full_tensors[t.full_name]), rank)
                 out[t.name] = u
-                out[t.name[: -len("_u")] + "_v"] = v
+                out[pair_v(t.name)] = v
         return {t.name: out[t.name] for t in self.tensors}
 
 
@@ -409,6 +410,11 @@ def _patterns(value: object) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(p, str) for p in value):
         raise ValueError(f"full_rank must be a list of module-name patterns, got {value!r}")
     return tuple(value)
+
+
+def pair_v(u_name: str) -> str:
+    """The name of the ``V`` factor that pairs with the ``U`` factor ``u_name`` (``x_u`` → ``x_v``)."""
+    return u_name[: -len("_u")] + "_v"
 
 
 def factored_matrix(full: Tensor) -> Tensor:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedcore.spec import ModelSpec, factored_matrix, tensor_from_matrix
+from fedcore.spec import ModelSpec, factored_matrix, pair_v, tensor_from_matrix
 
 __all__ = ["TIER_TRAININGS", "NestedCut", "NestedPasses", "nested_cut"]
 
@@ -64,7 +64,7 @@ def nested_cut(spec: ModelSpec, smallest: float) -> NestedCut | None:
         if t.full_name is None and t.name in ranks:
             dense[t.name] = ranks[t.name]
         elif t.full_name in ranks and t.role.endswith("_u") and t.shape[1] > ranks[t.full_name]:
-            pairs[t.name] = (t.name[: -len("_u")] + "_v", ranks[t.full_name])
+            pairs[t.name] = (pair_v(t.name), ranks[t.full_name])
     return NestedCut(dense, pairs) if dense or pairs else None
 
 
