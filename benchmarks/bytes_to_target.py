@@ -28,7 +28,9 @@ returning ``(train, test)`` Datasets, as ``fedatoms simulate --data``) with the 
 baseline (e.g. ``--set warmup_rounds=0`` for FedLAMA's Algorithm 1); the setting FedAvg must share
 (data, split, rounds, rate, model, seed) has its own flags and is refused there. ``--jobs`` runs that
 many simulations in parallel processes (one torch thread each). A run that takes longer than a minute
-reports its latest round about once a minute on stderr.
+reports its latest round about once a minute on stderr. ``--json PATH`` also writes every run's
+per-round accuracy, cumulative bytes and smallest-tier cut with the table's figures for it, to
+re-plot or to merge runs split by ``--first-seed``.
 
     OMP_NUM_THREADS=1 nice python benchmarks/bytes_to_target.py
     python benchmarks/bytes_to_target.py --rounds 30 --seeds 2 --configs fedavg,atoms+lama4
@@ -39,6 +41,7 @@ reports its latest round about once a minute on stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -191,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config key for every run")
     p.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes [1]")
     p.add_argument("--plot", default="bytes_to_target.png", help="accuracy against cumulative bytes (PNG)")
+    p.add_argument(
+        "--json", metavar="PATH", help="also write every run's per-round curves and the table's figures (JSON)"
+    )
     args = p.parse_args(argv)
 
     names = [c for c in args.configs.split(",") if c]
@@ -278,18 +284,21 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'configuration':<15} {'last-5 acc':>10} | " + " | ".join(f"{'seed ' + str(s):^30}" for s in seeds)
     print(header + f" | {'mean ×':>7}")
     print("-" * len(header) + "-" * 10)
+    #: (name, seed) → (first round at the target, bytes through it, × fewer bytes), None where never
+    reached: dict[tuple[str, int], tuple[int, int, float] | None] = {}
+    for key, outcome in results.items():
+        hit, base = outcome.reach(targets[key[1]]), baseline[key[1]]
+        reached[key] = None if hit is None or base is None else (*hit, base[1] / hit[1])
     for name in names:
         cells, ratios = [], []
         for s in seeds:
-            hit = results[(name, s)].reach(targets[s])
-            base = baseline[s]
-            if hit is None or base is None:
+            figures = reached[(name, s)]
+            if figures is None:
                 cells.append(f"{'never':^30}")
                 ratios.append(math.nan)
                 continue
-            ratio = base[1] / hit[1]
-            ratios.append(ratio)
-            cells.append(f"r{hit[0]:>3} {_fmt_bytes(hit[1]):>10} {ratio:>6.2f}× fewer")
+            ratios.append(figures[2])
+            cells.append(f"r{figures[0]:>3} {_fmt_bytes(figures[1]):>10} {figures[2]:>6.2f}× fewer")
         last5 = statistics.fmean(results[(name, s)].last5 for s in seeds)
         finite = [r for r in ratios if not math.isnan(r)]
         mean = f"{math.exp(statistics.fmean(math.log(r) for r in finite)):.2f}×" if len(finite) == len(ratios) else "—"
@@ -326,7 +335,44 @@ def main(argv: list[str] | None = None) -> int:
         cuts=cut_curves,
     )
     print(f"plot: {out}")
+    if args.json:
+        setting = {**{k: v for k, v in shared.items() if k != "threads"}, "stack_phi": args.stack_phi}
+        _write_json(Path(args.json), setting, extra, targets, results, reached)
+        print(f"json: {args.json}")
     return 0
+
+
+def _write_json(
+    path: Path,
+    setting: dict[str, Any],
+    extra: dict[str, Any],
+    targets: dict[int, float],
+    results: dict[tuple[str, int], Outcome],
+    reached: dict[tuple[str, int], tuple[int, int, float] | None],
+) -> None:
+    """Every run's curves with the table's figures for it: re-plot, or merge runs split by ``--first-seed``."""
+    runs = []
+    for (name, seed), outcome in results.items():
+        figures = reached[(name, seed)]
+        runs.append(
+            {
+                "configuration": name,
+                "seed": seed,
+                "last5": outcome.last5,
+                "first_round_at_target": figures[0] if figures else None,
+                "bytes_to_target": figures[1] if figures else None,
+                "fewer_bytes": figures[2] if figures else None,
+                "accuracy": outcome.accuracy,
+                "cumulative_bytes": outcome.cumulative_bytes,
+                "smallest_cut": (
+                    None
+                    if outcome.smallest_cut is None
+                    else {"tier": float(outcome.smallest_cut[0]), "accuracy": outcome.smallest_cut[1]}
+                ),
+            }
+        )
+    document = {"setting": setting, "set": extra, "targets": {str(s): t for s, t in targets.items()}, "runs": runs}
+    path.write_text(json.dumps(document, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -70,8 +71,11 @@ def test_your_own_folder_is_what_fedavg_and_every_configuration_federate(tmp_pat
         "1",
         "--configs",
         "fedhm-1/8",
+        "--json",
+        str(tmp_path / "runs.json"),
     )
     assert out.startswith(f"{folder}: 5 clients × 2 classes")
+    written = {r["configuration"]: r for r in json.loads((tmp_path / "runs.json").read_text())["runs"]}
     keys = dict(data=str(folder), model="digits-cnn", clients=5, fraction=1.0, rounds=2, lr=0.05, momentum=0.9)
     for name, method in (
         ("fedavg", {"factorization": "none"}),
@@ -80,6 +84,14 @@ def test_your_own_folder_is_what_fedavg_and_every_configuration_federate(tmp_pat
         rounds = run_simulation(SimulationConfig(**keys, **method, local_epochs=2, threads=1, seed=0))["rounds"]
         # the folder's own run, made here by the simulator: the benchmark's row reads the same
         assert _last5(out, name) == f"{sum(r['test_accuracy'] for r in rounds) / len(rounds):.3f}"
+        # and so do the curves --json writes: the ledger's bytes and the server's accuracy, round by round
+        assert written[name]["accuracy"] == [r["test_accuracy"] for r in rounds]
+        assert written[name]["cumulative_bytes"] == [
+            r["cumulative_bytes_up"] + r["cumulative_bytes_down"] for r in rounds
+        ]
+    assert written["fedavg"]["fewer_bytes"] == 1.0 and written["fedavg"]["smallest_cut"] is None
+    cut = written["fedhm-1/8"]["smallest_cut"]
+    assert cut["tier"] == 0.125 and cut["accuracy"] == [r["tier_accuracy"]["0.125"] for r in rounds]
 
 
 def test_a_setting_fedavg_must_share_is_refused_in_set(
