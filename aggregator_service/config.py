@@ -228,15 +228,20 @@ class FederationConfig:
     def train_config(self, device: str = "auto") -> TrainConfig:
         """What clients train with: the training keys as set here, FedProx's ``mu`` only under fedprox, and with
         mixed tiers trained nested the smallest tier."""
-        smallest = min(self.tiers)
-        nested = self.tier_training == "nested" and smallest < 1.0 and max(self.tiers) > smallest
         return replace(
             FEDERATION_TRAINING,
             **{name: getattr(self, name) for name in _TRAINING_KEYS},
             prox_mu=self.mu if self.strategy == "fedprox" else 0.0,
-            nested_rank_ratio=smallest if nested else None,
+            nested_rank_ratio=self.nested_rank_ratio,
             device=device,
         )
+
+    @property
+    def nested_rank_ratio(self) -> float | None:
+        """The smallest tier where mixed tiers train nested (``tier_training``), else ``None``."""
+        smallest = min(self.tiers)
+        nested = self.tier_training == "nested" and smallest < 1.0 and max(self.tiers) > smallest
+        return smallest if nested else None
 
     def strategy_params(self, num_clients_total: int) -> dict[str, Any]:
         """The strategy's keyword arguments: the federation's own keys its ``__init__`` takes, then strategy_args."""
@@ -284,6 +289,7 @@ class FederationConfig:
             personal=personal_tensors(spec, self.personalization),
             tier_init=self.tier_init,
             tier_average=self.tier_average,
+            nested_rank_ratio=self.nested_rank_ratio,
         )
 
     @property

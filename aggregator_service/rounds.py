@@ -110,6 +110,7 @@ class Federation:
         personal: Sequence[str] = (),
         tier_init: str = "energy",
         tier_average: str = "held",
+        nested_rank_ratio: float | None = None,
     ) -> None:
         if tier_init not in TIER_INITS:
             raise ValueError(f"tier_init must be one of {', '.join(TIER_INITS)}, got {tier_init!r}")
@@ -121,6 +122,8 @@ class Federation:
         #: how tiers below 1 are averaged into factorized tensors (:mod:`.held_average`)
         self.tier_average = tier_average
         self.tiers = tuple(sorted({float(t) for t in tiers}, reverse=True))
+        #: the smallest tier where mixed tiers train nested; under tier_init "nested" every first cut holds its cut
+        self.nested_rank_ratio = nested_rank_ratio
         self.strategy = strategy
         self.policy = policy
         self.sampler = sampler
@@ -182,9 +185,17 @@ class Federation:
         cached_key, per_tier = self._tier_cache
         if cached_key != key or tier not in per_tier:
             tiers = sorted({*self.tiers, float(tier)}, reverse=True)
-            untrained = [n for n, v in self.versions.items() if v == 0] if self.tier_init == "energy" else []
+            untrained = [n for n, v in self.versions.items() if v == 0] if self.tier_init != "truncated" else []
+            energy_ranks = None
+            if self.tier_init == "nested" and self.nested_rank_ratio is not None:
+                smallest = self.tier_spec(self.nested_rank_ratio).tensors
+                energy_ranks = {t.full_name: t.shape[1] for t in smallest if t.full_name and t.role.endswith("_u")}
             per_tier = refactorize(
-                self.global_tensors, [self.tier_spec(t) for t in tiers], frozenset(untrained), self._spectra
+                self.global_tensors,
+                [self.tier_spec(t) for t in tiers],
+                frozenset(untrained),
+                self._spectra,
+                energy_ranks,
             )
             self._tier_cache = (key, per_tier)
         return per_tier[tier]

@@ -161,8 +161,9 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tiers", type=_tiers, help="capability tiers assigned round-robin, e.g. 1,0.5,0.25,0.125")
     g.add_argument(
         "--tier-init",
-        choices=["energy", "truncated"],
-        help="a tier's first factors: the SVD cut scaled to the plain layer's energy (default), or FedHM's cut",
+        choices=["energy", "truncated", "nested"],
+        help="a tier's first factors: the SVD cut scaled to the plain layer's energy (default), FedHM's cut, or "
+        "with nested tiers the smallest tier's energy-keeping cut in every tier",
     )
     g.add_argument(
         "--tier-average",

@@ -79,6 +79,7 @@ def test_cohort_is_held_only_while_something_is_relaxed() -> None:
     [
         ("cohort", ("per_round", "period")),
         ("tier_init", ("energy", "truncated")),
+        ("tier_init", ("energy", "nested")),
         ("tier_average", ("held", "aligned")),
         ("tier_training", ("nested", "own")),
         ("lama_warmup", ("periods", "rounds")),

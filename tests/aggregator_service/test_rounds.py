@@ -173,6 +173,57 @@ def test_a_tiers_first_cut_keeps_the_plain_layers_output_variance():
     assert all(r < 0.6 for r in ratios["truncated"].values()), ratios
 
 
+def test_nested_tier_init_starts_every_tier_from_the_smallest_tiers_energy_keeping_cut():
+    """``tier_init = "nested"`` with mixed tiers trained nested: every tier's round-0 download holds the same ⅛ cut.
+
+    Oracle: torch's SVD of ``fc1.weight`` (a plain 128 × 1024 matrix, no reshaping), ranks derived by
+    hand (⅛ of 128 outputs: 16; ½: 64). Tier 1 gets the layer with its top 16 singular values scaled to
+    the layer's norm and the other 112 as they were; ⅛ and ½ get that matrix's truncations.
+    """
+    full = SPEC.full()
+    fed = Federation(
+        full,
+        FedAvg(),
+        EveryRound(full.tensors),
+        CohortSampler(0.5, 2, "period", seed=1),
+        tiers=(1.0, 0.5, 0.125),
+        init_seed=0,
+        tier_init="nested",
+        nested_rank_ratio=0.125,
+    )
+    w0 = fed.global_tensors["fc1.weight"].double()
+    u, s, vh = torch.linalg.svd(w0, full_matrices=False)
+    scaled = s.clone()
+    scaled[:16] *= s.norm() / s[:16].norm()
+
+    tier1 = fed.tier_tensors(1.0)["fc1.weight"].double()
+    torch.testing.assert_close(torch.linalg.svdvals(tier1), scaled, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tier1, (u * scaled) @ vh, rtol=0, atol=1e-5)
+    for tier, rank in ((0.125, 16), (0.5, 64)):
+        got = fed.tier_tensors(tier)
+        product = got["fc1.lowrank_u"].double() @ got["fc1.lowrank_v"].double()
+        torch.testing.assert_close(product, (u[:, :rank] * scaled[:rank]) @ vh[:rank], rtol=0, atol=1e-5)
+    cut = fed.tier_tensors(0.125)
+    eighth = cut["fc1.lowrank_u"].double() @ cut["fc1.lowrank_v"].double()
+    assert float(eighth.norm()) == pytest.approx(float(w0.norm()), rel=1e-5)  # the ⅛ cut keeps the layer's energy
+    assert torch.equal(fed.tier_tensors(1.0)["fc1.bias"], fed.global_tensors["fc1.bias"])  # not factorized
+    # under the default "energy", or without nested training, tier 1 starts from the initial model itself
+    for tier_init, ratio in (("energy", 0.125), ("nested", None)):
+        plain = Federation(
+            full,
+            FedAvg(),
+            EveryRound(full.tensors),
+            CohortSampler(0.5, 2, "period", seed=1),
+            tiers=(1.0, 0.125),
+            tier_init=tier_init,
+            nested_rank_ratio=ratio,
+        )
+        assert all(plain.tier_tensors(1.0)[n] is plain.global_tensors[n] for n in plain.global_tensors)
+    # once a round has aggregated a tensor, every tier is its exact truncated SVD again
+    _close_one_round(fed)
+    assert torch.equal(fed.tier_tensors(1.0)["fc1.weight"], fed.global_tensors["fc1.weight"])
+
+
 def test_mixed_tiers_fold_to_full_rank():
     fed = federation()
     plan = fed.plan(1, CLIENTS)

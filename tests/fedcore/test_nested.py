@@ -166,7 +166,10 @@ def test_the_cut_pass_leaves_batchnorm_statistics_as_the_whole_model_leaves_them
 
 def test_the_federation_tells_larger_tiers_the_smallest_one_only_when_tiers_mix() -> None:
     def told(**keys) -> float | None:
-        return FederationConfig(factorization="lowrank", **keys).train_config().nested_rank_ratio
+        config = FederationConfig(factorization="lowrank", **keys)
+        # the server cuts every tier's first download from the same smallest tier it tells the clients
+        assert config.build_federation(num_clients_total=4).nested_rank_ratio == config.train_config().nested_rank_ratio
+        return config.train_config().nested_rank_ratio
 
     assert told(tiers=[1.0, 0.5, 0.25, 0.125]) == 0.125
     assert told(tiers=[0.5, 0.25]) == 0.25
