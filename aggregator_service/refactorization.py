@@ -80,7 +80,6 @@ def refactorize(
     do not modify them in place.
     """
     spectra = spectra if spectra is not None else Spectra()
-    nested = energy_ranks is not None
     energy_ranks = energy_ranks or {}
     out: dict[float, dict[str, Tensor]] = {}
     for spec in tier_specs:
@@ -88,7 +87,7 @@ def refactorize(
         for t in spec.tensors:
             if t.full_name is None:
                 full = global_tensors[t.name]
-                if nested and t.name in energy_ranks and t.name in keep_energy:
+                if t.name in energy_ranks and t.name in keep_energy:
                     u_, s, vh = spectra.of(t.name, full)
                     matrix = (u_ * _nested_energy(s, energy_ranks[t.name])) @ vh
                     tier[t.name] = tensor_from_matrix(matrix, tuple(full.shape)).to(full.dtype)
@@ -100,7 +99,7 @@ def refactorize(
                 rank = t.shape[1]
                 kept = s[:rank]
                 if t.full_name in keep_energy:
-                    if nested and t.full_name in energy_ranks:
+                    if t.full_name in energy_ranks:
                         kept = _nested_energy(s, energy_ranks[t.full_name])[:rank]
                     else:
                         kept = kept * _energy_ratio(s, rank)

@@ -16,15 +16,19 @@ SPEC = ModelSpec("digits-cnn", 10, "atoms-lowrank", 9)
 CLIENTS = [f"c{i}" for i in range(8)]
 
 
-def federation(policy_cls=EveryRound, mode="period", tier_init="energy", **policy_kw) -> Federation:
+def federation(
+    policy_cls=EveryRound, mode="period", tier_init="energy", tiers=(1.0,), nested_rank_ratio=None, **policy_kw
+) -> Federation:
     full = SPEC.full()
     return Federation(
         full,
         FedAvg(),
         policy_cls(full.tensors, **policy_kw),
         CohortSampler(0.5, 2, mode, seed=1),
+        tiers=tiers,
         init_seed=0,
         tier_init=tier_init,
+        nested_rank_ratio=nested_rank_ratio,
     )
 
 
@@ -180,17 +184,7 @@ def test_nested_tier_init_starts_every_tier_from_the_smallest_tiers_energy_keepi
     hand (⅛ of 128 outputs: 16; ½: 64). Tier 1 gets the layer with its top 16 singular values scaled to
     the layer's norm and the other 112 as they were; ⅛ and ½ get that matrix's truncations.
     """
-    full = SPEC.full()
-    fed = Federation(
-        full,
-        FedAvg(),
-        EveryRound(full.tensors),
-        CohortSampler(0.5, 2, "period", seed=1),
-        tiers=(1.0, 0.5, 0.125),
-        init_seed=0,
-        tier_init="nested",
-        nested_rank_ratio=0.125,
-    )
+    fed = federation(tier_init="nested", tiers=(1.0, 0.5, 0.125), nested_rank_ratio=0.125)
     w0 = fed.global_tensors["fc1.weight"].double()
     u, s, vh = torch.linalg.svd(w0, full_matrices=False)
     scaled = s.clone()
@@ -209,15 +203,7 @@ def test_nested_tier_init_starts_every_tier_from_the_smallest_tiers_energy_keepi
     assert torch.equal(fed.tier_tensors(1.0)["fc1.bias"], fed.global_tensors["fc1.bias"])  # not factorized
     # under the default "energy", or without nested training, tier 1 starts from the initial model itself
     for tier_init, ratio in (("energy", 0.125), ("nested", None)):
-        plain = Federation(
-            full,
-            FedAvg(),
-            EveryRound(full.tensors),
-            CohortSampler(0.5, 2, "period", seed=1),
-            tiers=(1.0, 0.125),
-            tier_init=tier_init,
-            nested_rank_ratio=ratio,
-        )
+        plain = federation(tier_init=tier_init, tiers=(1.0, 0.125), nested_rank_ratio=ratio)
         assert all(plain.tier_tensors(1.0)[n] is plain.global_tensors[n] for n in plain.global_tensors)
     # once a round has aggregated a tensor, every tier is its exact truncated SVD again
     _close_one_round(fed)
