@@ -7,7 +7,10 @@ counts that client's zeros everywhere else, so every round the entries past a ti
 that tier's share of the weight, and what the larger tiers learn there is mostly averaged away.
 HeteroFL's rule for width-sliced models, each parameter the weighted mean of the clients that hold
 it, carried into this basis gives each of the ``k × k`` entries of ``W``'s own singular coordinates
-(``k = min(m, n)``) the mean of its holders. An entry no client of the round holds keeps FedHM's
+(``k = min(m, n)``) the mean of its holders. An entry that some tier of the federation holds but no
+client of this round does (a cohort drawn without a tier-1 client) keeps its global value, as a
+HeteroFL parameter no client held keeps its own: FedHM's average would put the low tiers' zeros
+there and cut the global model to the round's largest rank. An entry no tier holds keeps FedHM's
 average, so a single-tier federation is FedHM exactly; so does whatever lies outside ``W``'s row
 and column spaces (directions the global tensor does not have yet: treating those as held by the
 full-rank tiers alone amplified a few clients' noise there, docs/methods.md).
@@ -34,8 +37,12 @@ TIER_AVERAGES = ("held", "aligned")
 class HeldAverage:
     """One round's correction: the global tensors' singular bases and the parts low tiers do not hold."""
 
-    def __init__(self, global_tensors: Mapping[str, Tensor], spectra: Spectra | None = None) -> None:
+    def __init__(
+        self, global_tensors: Mapping[str, Tensor], reach: Mapping[str, int], spectra: Spectra | None = None
+    ) -> None:
         self._global = global_tensors
+        #: full name → the largest rank a tier of the federation trains it at (absent: some tier holds it whole)
+        self._reach = reach
         self._spectra = spectra if spectra is not None else Spectra()  # the tiers' cuts decompose the same tensors
         self._bases: dict[str, tuple[Tensor, Tensor]] = {}  # full name → (L, Rᵀ) of its matrix, float64
         self._unheld: dict[str, Tensor] = {}  # Σ_k p_k (1 − held_k) ⊙ Lᵀ X_k R
@@ -73,10 +80,15 @@ class HeldAverage:
         holders = total - unheld_weight
         # coordinates some but not all clients hold (sums of the same weights: compare with a tolerance)
         partial = (holders > total * 1e-9) & (unheld_weight > total * 1e-9)
-        if not bool(partial.any()):
-            return mean  # one rank for every client, or nobody holds: FedHM's average, to the bit
+        # coordinates a tier of the federation holds and no client of this round does
+        kept = (holders <= total * 1e-9) & held_entries(size, self._reach.get(name, size))
+        if not bool(partial.any()) and not bool(kept.any()):
+            return mean  # one rank for every client, or no tier holds: FedHM's average, to the bit
+        _, s, _ = self._spectra.of(name, self._global[name])
         held = torch.where(
-            partial, (total * in_basis - self._unheld[name]) / torch.where(partial, holders, 1.0), in_basis
+            partial,
+            (total * in_basis - self._unheld[name]) / torch.where(partial, holders, 1.0),
+            torch.where(kept, torch.diag(s), in_basis),  # the global tensor is diag(s) in its own basis
         )
         return tensor_from_matrix(matrix + left @ (held - in_basis) @ right_t, mean.shape)
 

@@ -234,8 +234,20 @@ class Federation:
         self._plan = plan
         self._acc = self.strategy.begin(self.global_tensors, plan.due)
         if self.tier_average == "held" and any(t < 1.0 for t in self.tiers):
-            self._acc.held = HeldAverage(self.global_tensors, self._spectra)
+            self._acc.held = HeldAverage(self.global_tensors, self._held_reach(), self._spectra)
         self._fold_order = []
+
+    def _held_reach(self) -> dict[str, int]:
+        """Factorized tensors no tier trains whole → the largest rank a tier trains them at."""
+        reach: dict[str, int] = {}
+        whole: set[str] = set()
+        for tier in self.tiers:
+            for t in self.tier_spec(tier).tensors:
+                if t.full_name is None:
+                    whole.add(t.name)
+                elif t.role.endswith("_u"):
+                    reach[t.full_name] = max(reach.get(t.full_name, 0), t.shape[1])
+        return {n: r for n, r in reach.items() if n not in whole}
 
     def fold(self, update: ClientUpdate) -> None:
         if self._plan is None or self._acc is None:

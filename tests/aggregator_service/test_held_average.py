@@ -24,21 +24,22 @@ WEIGHTS = {"a": 10, "b": 30}  # num_samples: FedAvg's weights
 
 
 def _federation(spec: ModelSpec, tiers, tier_average: str) -> Federation:
-    """Plain FedAvg, every tensor every round, both clients in every cohort."""
+    """Plain FedAvg, every tensor every round, every client offered in every cohort."""
     full = spec.full()
     return Federation(
         full,
         FedAvg(),
         EveryRound(full.tensors),
-        CohortSampler(1.0, 2, "per_round", seed=0),
+        CohortSampler(1.0, 1, "per_round", seed=0),
         tiers=tiers,
         tier_average=tier_average,
     )
 
 
 def _round(
-    tier_average: str, tiers=(1.0, 0.125)
+    tier_average: str, tiers=(1.0, 0.125), clients=("a", "b")
 ) -> tuple[Federation, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One round of ``clients``: ``a`` trains the largest tier, ``b`` the smallest, each adding noise."""
     fed = _federation(SPEC, tiers, tier_average)
     diagonal = torch.zeros(ROWS, COLS)
     diagonal[range(ROWS), range(ROWS)] = torch.linspace(3.0, 1.0, ROWS)
@@ -47,18 +48,12 @@ def _round(
     tier_a, tier_b = max(tiers), min(tiers)
     a = {n: t + 0.1 * torch.randn(t.shape, generator=gen) for n, t in fed.tier_tensors(tier_a).items()}
     b = {n: t + 0.1 * torch.randn(t.shape, generator=gen) for n, t in fed.tier_tensors(tier_b).items()}
-    plan = fed.plan(1, ["a", "b"])
+    plan = fed.plan(1, list(clients))
     fed.begin(plan)
-    fed.fold(
-        ClientUpdate(
-            "a", WEIGHTS["a"], tier_a, fed.tier_spec(tier_a), {n: a[n] for n in fed.tier_due(tier_a, plan.due)}
-        )
-    )
-    fed.fold(
-        ClientUpdate(
-            "b", WEIGHTS["b"], tier_b, fed.tier_spec(tier_b), {n: b[n] for n in fed.tier_due(tier_b, plan.due)}
-        )
-    )
+    for cid, tier, local in (("a", tier_a, a), ("b", tier_b, b)):
+        if cid in clients:
+            names = fed.tier_due(tier, plan.due)
+            fed.fold(ClientUpdate(cid, WEIGHTS[cid], tier, fed.tier_spec(tier), {n: local[n] for n in names}))
     fed.close()
     return fed, a, b
 
@@ -79,6 +74,28 @@ def test_entries_a_low_tier_holds_are_averaged_the_rest_is_the_full_tiers() -> N
     torch.testing.assert_close(
         fed.global_tensors["fc1.bias"].double(), _mean(a["fc1.bias"], b["fc1.bias"]), rtol=0, atol=1e-6
     )
+
+
+def test_entries_no_client_of_the_round_holds_keep_their_global_value() -> None:
+    """A round whose cohort drew no tier-1 client: past rank 16 the global tensor stays as it was.
+
+    HeteroFL keeps a parameter no client held; FedHM's average would put client B's (near-)zeros there
+    and cut the global model to rank 16 until a tier-1 client comes back.
+    """
+    fed, _, b = _round("held", clients=("b",))
+    b_fc1 = b["fc1.lowrank_u"].double() @ b["fc1.lowrank_v"].double()
+    rows, cols = torch.arange(ROWS)[:, None], torch.arange(COLS)[None, :]
+    before = torch.zeros(ROWS, COLS, dtype=torch.float64)
+    before[range(ROWS), range(ROWS)] = torch.linspace(3.0, 1.0, ROWS, dtype=torch.float64)
+    held_by_b = (rows < RANK) | (cols < RANK)
+    new_direction = cols >= ROWS  # outside the global tensor's row space: FedHM's average, B's product alone
+    expected = torch.where(held_by_b | new_direction, b_fc1, before)
+    torch.testing.assert_close(fed.global_tensors["fc1.weight"].double(), expected, rtol=0, atol=1e-5)
+    # FedHM's eq. 1 as printed cuts the tensor to B's rank 16
+    aligned, _, b = _round("aligned", clients=("b",))
+    b_fc1 = b["fc1.lowrank_u"].double() @ b["fc1.lowrank_v"].double()
+    torch.testing.assert_close(aligned.global_tensors["fc1.weight"].double(), b_fc1, rtol=0, atol=1e-5)
+    assert torch.linalg.matrix_rank(aligned.global_tensors["fc1.weight"].double(), rtol=1e-5) == RANK  # float32 storage
 
 
 def test_aligned_is_fedhms_average_of_products() -> None:
