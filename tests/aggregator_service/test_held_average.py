@@ -4,7 +4,8 @@ The global ``fc1.weight`` (128 × 1024) is diagonal with distinct values, so its
 the coordinate axes (up to sign) and "the entries a rank-16 factor pair can move" are, by hand,
 every entry in rows 0–15 or columns 0–15. A tier-1 client A and a tier-⅛ client B (rank 16) push;
 the new value must be their weighted mean where B holds the entry and A's value elsewhere, except in
-columns 128–1023, outside the global tensor's row space, where FedHM's weighted mean stays.
+columns 128–1023, outside the global tensor's row space, where FedHM's weighted mean stays. When
+only B reports, the entries past rank 16 that only tier 1 holds keep the old diagonal.
 """
 
 from __future__ import annotations
