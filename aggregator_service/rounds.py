@@ -188,8 +188,7 @@ class Federation:
             untrained = [n for n, v in self.versions.items() if v == 0] if self.tier_init != "truncated" else []
             energy_ranks = None
             if self.tier_init == "nested" and self.nested_rank_ratio is not None:
-                smallest = self.tier_spec(self.nested_rank_ratio).tensors
-                energy_ranks = {t.full_name: t.shape[1] for t in smallest if t.full_name and t.role.endswith("_u")}
+                energy_ranks = self.tier_spec(self.nested_rank_ratio).pair_ranks
             per_tier = refactorize(
                 self.global_tensors,
                 [self.tier_spec(t) for t in tiers],
@@ -242,11 +241,10 @@ class Federation:
         reach: dict[str, int] = {}
         whole: set[str] = set()
         for tier in self.tiers:
-            for t in self.tier_spec(tier).tensors:
-                if t.full_name is None:
-                    whole.add(t.name)
-                elif t.role.endswith("_u"):
-                    reach[t.full_name] = max(reach.get(t.full_name, 0), t.shape[1])
+            spec = self.tier_spec(tier)
+            whole.update(t.name for t in spec.tensors if t.full_name is None)
+            for name, rank in spec.pair_ranks.items():
+                reach[name] = max(reach.get(name, 0), rank)
         return {n: r for n, r in reach.items() if n not in whole}
 
     def fold(self, update: ClientUpdate) -> None:

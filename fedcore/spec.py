@@ -253,6 +253,11 @@ class ModelSpec:
         """Tensor name → the full-rank tensor it belongs to (a factor pair: what it rebuilds); bytes count there."""
         return {t.name: t.full_name or t.name for t in self.tensors}
 
+    @property
+    def pair_ranks(self) -> dict[str, int]:
+        """Full-rank name → this tier's rank, for each tensor this tier trains as a factor pair."""
+        return {t.full_name: t.shape[1] for t in self.tensors if t.full_name is not None and t.role.endswith("_u")}
+
     def tensor(self, name: str) -> TensorSpec:
         for t in self.tensors:
             if t.name == name:

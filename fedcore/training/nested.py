@@ -53,11 +53,7 @@ class NestedCut:
 def nested_cut(spec: ModelSpec, smallest: float) -> NestedCut | None:
     """What a client of ``spec``'s tier trains as the model of the tier ``smallest``; ``None`` when it is that
     tier (or holds no factorized tensor at a larger rank)."""
-    ranks = {
-        t.full_name: t.shape[1]
-        for t in spec.at_tier(smallest).tensors
-        if t.full_name is not None and t.role.endswith("_u")
-    }
+    ranks = spec.at_tier(smallest).pair_ranks
     dense: dict[str, int] = {}
     pairs: dict[str, tuple[str, int]] = {}
     for t in spec.tensors:
