@@ -30,7 +30,9 @@ baseline (e.g. ``--set warmup_rounds=0`` for FedLAMA's Algorithm 1); the setting
 many simulations in parallel processes (one torch thread each). A run that takes longer than a minute
 reports its latest round about once a minute on stderr. ``--json PATH`` also writes every run's
 per-round accuracy, cumulative bytes and smallest-tier cut with the table's figures for it, to
-re-plot or to merge runs split by ``--first-seed``.
+re-plot or to merge runs split by ``--first-seed``. ``--baseline PATH`` takes FedAvg's runs (the targets
+and the byte baseline) from such a file, written with the same setting, instead of running FedAvg again:
+on MNIST a configuration's rerun then costs its own runs only.
 
     OMP_NUM_THREADS=1 nice python benchmarks/bytes_to_target.py
     python benchmarks/bytes_to_target.py --rounds 30 --seeds 2 --configs fedavg,atoms+lama4
@@ -197,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--json", metavar="PATH", help="also write every run's per-round curves and the table's figures (JSON)"
     )
+    p.add_argument(
+        "--baseline",
+        metavar="PATH",
+        help="FedAvg's runs from an earlier --json of the same setting, instead of running FedAvg again",
+    )
     args = p.parse_args(argv)
 
     names = [c for c in args.configs.split(",") if c]
@@ -242,8 +249,17 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--set {key}: not a config key; the keys are fedatoms simulate's options")
         extra[key] = _parse_value(value)
     seeds = range(args.first_seed, args.first_seed + args.seeds)
+    setting = {**{k: v for k, v in shared.items() if k != "threads"}, "stack_phi": args.stack_phi}
+    results: dict[tuple[str, int], Outcome] = {}
+    if args.baseline is not None:
+        try:
+            results = _baseline(Path(args.baseline), setting, seeds)
+        except ValueError as exc:
+            p.error(f"--baseline {args.baseline}: {exc}")
     jobs = []
     for name in names:
+        if name == "fedavg" and results:
+            continue  # its runs are the baseline's
         keys = {**shared, **CONFIGS[name]}
         if name == "stack":
             keys["phi"] = args.stack_phi
@@ -252,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             jobs.append((name, seed, keys))
 
+    if not jobs:
+        p.error("--baseline holds FedAvg's runs: name the configurations to compare with them in --configs")
     try:  # refuse a setting that cannot run before any run starts
         for keys in {name: keys for name, _, keys in jobs}.values():
             SimulationConfig(**keys, seed=seeds[0])
@@ -262,10 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{source}: {_split(args)}, fraction {args.fraction:g}, "
         f"E = {args.local_epochs}, lr {args.lr:g}, momentum {args.momentum:g}, batch 10, {args.rounds} rounds, "
         f"{args.seeds} seeds, {len(jobs)} runs, {args.jobs} at a time"
+        + (f"; FedAvg's runs from {args.baseline}" if args.baseline else "")
         + (f"; set {', '.join(f'{k}={v}' for k, v in extra.items())}" if extra else ""),
         flush=True,
     )
-    results: dict[tuple[str, int], Outcome] = {}
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for name, seed, outcome in pool.map(_run, jobs) if args.jobs > 1 else map(_run, jobs):
@@ -336,10 +354,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"plot: {out}")
     if args.json:
-        setting = {**{k: v for k, v in shared.items() if k != "threads"}, "stack_phi": args.stack_phi}
         _write_json(Path(args.json), setting, extra, targets, results, reached)
         print(f"json: {args.json}")
     return 0
+
+
+def _baseline(path: Path, setting: dict[str, Any], seeds: range) -> dict[tuple[str, int], Outcome]:
+    """FedAvg's runs for ``seeds`` from a ``--json`` document; refused unless it was written with ``setting``
+    (the stack's φ aside: FedAvg does not read it; nor where the dataset's files live), since a target reached
+    under another setting means nothing."""
+    try:
+        document = json.loads(path.read_text())
+        written, runs = document["setting"], document["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"not a --json file of this benchmark ({exc})") from exc
+    ours = json.loads(json.dumps(setting, default=str))  # compared as the file holds it
+    differ = sorted(
+        k for k in ours.keys() | written.keys() if k not in ("stack_phi", "data_dir") and ours.get(k) != written.get(k)
+    )
+    if differ:
+        shown = ", ".join(f"{k} {written.get(k)!r} there, {ours.get(k)!r} here" for k in differ)
+        raise ValueError(f"written with another setting: {shown}")
+    fedavg = {r["seed"]: r for r in runs if r["configuration"] == "fedavg"}
+    missing = [s for s in seeds if s not in fedavg]
+    if missing:
+        raise ValueError(f"holds no FedAvg run of seed {', '.join(map(str, missing))}")
+    return {
+        ("fedavg", s): Outcome(list(fedavg[s]["accuracy"]), list(fedavg[s]["cumulative_bytes"]), 0.0) for s in seeds
+    }
 
 
 def _write_json(

@@ -112,3 +112,39 @@ def test_a_setting_fedavg_must_share_is_refused_in_set(
         with pytest.raises(SystemExit) as exited:
             script.main(args)
         assert exited.value.code == 2 and said in capsys.readouterr().err, args
+
+
+def test_a_baseline_from_an_earlier_json_gives_the_table_a_run_with_fedavg_gives(tmp_path: Path) -> None:
+    configs = ("--configs", "fedhm-1/8,fedhm-1")
+    together = _run(tmp_path, "--seeds", "2", *configs, "--json", str(tmp_path / "first.json"))
+    # seed 1 alone, FedAvg's runs read from the first file: the same target, the same figures
+    alone = _run(
+        tmp_path,
+        "--seeds", "1", "--first-seed", "1", *configs,
+        "--baseline", str(tmp_path / "first.json"), "--json", str(tmp_path / "second.json"),
+    )  # fmt: skip
+    assert ", 2 runs, " in alone and "FedAvg's runs from" in alone  # only the configurations ran
+    assert _targets(alone) == _targets(together)[1:]
+    first = {(r["configuration"], r["seed"]): r for r in json.loads((tmp_path / "first.json").read_text())["runs"]}
+    second = {(r["configuration"], r["seed"]): r for r in json.loads((tmp_path / "second.json").read_text())["runs"]}
+    figures = ("last5", "first_round_at_target", "bytes_to_target", "fewer_bytes", "accuracy", "cumulative_bytes")
+    for name in ("fedavg", "fedhm-1/8", "fedhm-1"):
+        assert {k: second[(name, 1)][k] for k in figures} == {k: first[(name, 1)][k] for k in figures}, name
+    # FedHM at tier 1 is FedAvg bit for bit: against the baseline it reaches the target where FedAvg does
+    assert second[("fedhm-1", 1)]["first_round_at_target"] is not None
+    assert second[("fedhm-1", 1)]["fewer_bytes"] == 1.0
+
+
+def test_a_baseline_of_another_setting_or_without_the_seeds_is_refused(tmp_path: Path) -> None:
+    _run(tmp_path, "--seeds", "1", "--json", str(tmp_path / "fedavg.json"))
+    (tmp_path / "other.txt").write_text("not json")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bytes_to_target.py"), "--configs", "fedhm-1/8"]
+    for args, said in (
+        (["--rounds", "3", "--lr", "0.05", "--baseline", "fedavg.json"], "rounds 2 there, 3 here"),
+        (["--rounds", "2", "--lr", "0.05", "--seeds", "2", "--baseline", "fedavg.json"], "no FedAvg run of seed 1"),
+        (["--rounds", "2", "--lr", "0.05", "--baseline", "other.txt"], "not a --json file"),
+        (["--rounds", "2", "--lr", "0.05", "--baseline", "missing.json"], "not a --json file"),
+    ):
+        proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 2 and said in proc.stderr, (args, proc.stderr)
+        assert "seed 0:" not in proc.stderr  # refused before any run started
