@@ -52,7 +52,8 @@ class FederationConfig:
     model: str = "digits-cnn"
     num_classes: int = 10
     factorization: str = "none"
-    num_atoms: int = 9
+    #: Atoms per k×k conv (m_a); unset: k², a complete basis (the papers' 9 for 3×3 convs).
+    num_atoms: int | None = None
     #: Keyword arguments the model reference is called with ([federation.model_args]).
     model_args: dict[str, Any] = field(default_factory=dict)
     #: Module-name patterns (fnmatch) kept full rank at every tier; unset: the model's own, else its stem.

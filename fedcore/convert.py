@@ -54,23 +54,32 @@ class Factorization:
     - ``atoms-lowrank``: atoms everywhere, and outside the full-rank layers the coefficients are
       low-rank at ``rank_ratio``; body linears are low-rank as in ``lowrank``.
 
+    ``num_atoms`` is ``m_a``, the atoms of every ``k×k`` conv; ``None`` gives each conv ``k²``, a
+    complete basis, so its atoms and coefficients hold exactly the plain filters: the papers' 9 for a
+    3×3 conv, and no rank-9 limit on a 5×5 one (docs/methods.md, "Why a conv gets as many atoms as its
+    kernel has entries").
+
     The head and 1×1 convs are never factorized (FedHM's counts need exactly that).
     """
 
     kind: str = "none"
-    num_atoms: int = 9
+    num_atoms: int | None = None
     rank_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in FACTORIZATIONS:
             raise ValueError(f"unknown factorization {self.kind!r}; choose one of {', '.join(FACTORIZATIONS)}")
         rank_for(self.rank_ratio, 1)  # validates the ratio
-        if self.num_atoms < 1:
+        if self.num_atoms is not None and self.num_atoms < 1:
             raise ValueError(f"num_atoms must be ≥ 1, got {self.num_atoms}")
 
     @property
     def low_rank(self) -> bool:
         return self.kind in ("lowrank", "atoms-lowrank") and self.rank_ratio < 1.0
+
+    def atoms_for(self, kernel_size: int) -> int:
+        """``m_a`` of a ``kernel_size`` conv: ``num_atoms``, or ``k²`` when it is ``None``."""
+        return kernel_size * kernel_size if self.num_atoms is None else self.num_atoms
 
     def conv(
         self,
@@ -86,16 +95,17 @@ class Factorization:
         """The layer this factorization makes of a ``kernel_size`` conv (a plain one when nothing applies)."""
         reduce = self.low_rank and not keep_full_rank
         if self.kind in ("atoms", "atoms-lowrank") and kernel_size > 1:
+            num_atoms = self.atoms_for(kernel_size)
             rank = None
             if reduce:
-                rank = min(rank_for(self.rank_ratio, out_channels), in_channels * self.num_atoms)
-                if not _smaller(rank, out_channels, in_channels * self.num_atoms):
+                rank = min(rank_for(self.rank_ratio, out_channels), in_channels * num_atoms)
+                if not _smaller(rank, out_channels, in_channels * num_atoms):
                     rank = None
             return AtomConv2d(
                 in_channels,
                 out_channels,
                 kernel_size,
-                num_atoms=self.num_atoms,
+                num_atoms=num_atoms,
                 stride=stride,
                 padding=padding,
                 dilation=dilation,

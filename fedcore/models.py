@@ -199,7 +199,7 @@ def build_model(
     name: str,
     num_classes: int | None = None,
     factorization: str = "none",
-    num_atoms: int = 9,
+    num_atoms: int | None = None,
     rank_ratio: float = 1.0,
 ) -> nn.Module:
     """Build zoo model ``name`` with every layer parameterized by ``factorization`` at tier ``rank_ratio``."""

@@ -191,7 +191,7 @@ class ModelSpec:
     model: str
     num_classes: int
     factorization: str = "none"
-    num_atoms: int = 9
+    num_atoms: int | None = None  # m_a of every k×k conv; None: k² (fedcore.convert.Factorization)
     rank_ratio: float = 1.0
     model_args: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
     full_rank: tuple[str, ...] | None = None
@@ -350,7 +350,7 @@ class ModelSpec:
             str(data["model"]),
             int(data["num_classes"]),
             str(data.get("factorization", "none")),
-            int(data.get("num_atoms", 9)),
+            None if data.get("num_atoms") is None else int(data["num_atoms"]),
             float(data.get("rank_ratio", 1.0)),
             model_args=data.get("model_args", {}),
             full_rank=None if full_rank is None else _patterns(full_rank),

@@ -43,7 +43,7 @@ _KEYS_SINCE: dict[str, Any] = {
 #: method keys whose default a later release changed: (the old default, the new one). A federation stored
 #: with the old default and configured with the new one (an upgrade, the operator's settings unchanged)
 #: keeps the old value, for the server and for the clients it trains, instead of being refused
-_DEFAULTS_CHANGED: dict[str, tuple[Any, Any]] = {"atom_lr": ("scaled", "preconditioned")}
+_DEFAULTS_CHANGED: dict[str, tuple[Any, Any]] = {"atom_lr": ("scaled", "preconditioned"), "num_atoms": (9, None)}
 
 
 def load(shared: Shared) -> None:

@@ -48,7 +48,8 @@ def cmd_variance(args: argparse.Namespace) -> int:
         "(the plain convs loaded with the atoms' α⁰ × D⁰: one start for all), "
         f"N_c = {args.repetitions} repetitions of local training (E = {config.local_epochs}, lr = {config.lr:g}, "
         f"momentum {config.momentum:g}, batch {config.batch_size}, atom_lr = {config.atom_lr}, "
-        f"{config.num_atoms} atoms) [{time.perf_counter() - started:.0f} s]"
+        f"{'k²' if config.num_atoms is None else config.num_atoms} atoms per k×k conv) "
+        f"[{time.perf_counter() - started:.0f} s]"
     )
     print("variance of the aggregated conv filters across repetitions, (1/N_c) Σ_i ‖θ^i − θ̄‖²;")
     print("Σpα×D: the same repetitions' clients averaged as filters, Σ_k p_k α_k × D_k (Prop. 5.1's θ_φ);")
@@ -77,7 +78,7 @@ def add_parser(sub: Any) -> None:
     v.add_argument("--data-dir", help="where torchvision datasets live")
     v.add_argument("--model", help="default: by dataset")
     v.add_argument("--factorizations", default="none,atoms", help="compared against none [none,atoms]")
-    v.add_argument("--num-atoms", type=int, default=9)
+    v.add_argument("--num-atoms", type=int, help="atoms per k×k conv [k²: a complete basis; the papers: 9]")
     v.add_argument("--clients", type=int, default=10, help="clients, all aggregated [10]")
     v.add_argument("--partition", default="shards", choices=["iid", "shards", "dirichlet"])
     v.add_argument("--classes-per-client", type=int, default=2)

@@ -99,7 +99,7 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--input-shape", type=_sizes, help="one sample's C,H,W for a reference model [the dataset's]")
     g.add_argument("--factorization", choices=["none", "atoms", "lowrank", "atoms-lowrank"])
-    g.add_argument("--num-atoms", type=int)
+    g.add_argument("--num-atoms", type=int, help="atoms per k×k conv [k²: a complete basis; the papers: 9]")
     g.add_argument("--clients", type=int, help=f"number of clients [{defaults.clients}]")
     g.add_argument("--fraction", type=float, help=f"fraction sampled per cohort [{defaults.fraction}]")
     g.add_argument("--min-clients", type=int)

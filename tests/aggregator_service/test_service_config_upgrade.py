@@ -3,7 +3,8 @@
 ``tier_init``, ``tier_average``, ``tier_training`` and ``lama_warmup`` came after federations were stored: one
 stored without them restarts (not refused as "a different method") and keeps FedHM's truncated cut, aligned
 average and tiers that each train their own model; one stored with a value is held to it. ``atom_lr``'s
-default changed: one stored with the old default keeps it when restarted with unchanged settings.
+and ``num_atoms``' defaults changed: one stored with the old default keeps it when restarted with unchanged
+settings.
 """
 
 from __future__ import annotations
@@ -90,3 +91,16 @@ def test_a_federation_stored_with_the_old_atom_lr_default_keeps_it(backend, requ
     task = clients[1].task()
     assert task.WhichOneof("kind") == "train"
     assert json.loads(task.train.train_config_json)["atom_lr"] == "scaled"  # what a client trains with
+
+
+@pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
+def test_a_federation_stored_with_the_papers_nine_atoms_keeps_them(backend, request, start_service):
+    """``num_atoms``' default became ``k²`` per conv: a federation of 5×5 convs stored with the old default (9)
+    and restarted with unchanged settings is not refused and keeps its 9 atoms, the tensors its database holds;
+    a new one gets 25."""
+    url = request.getfixturevalue(backend)
+    model = dict(model="mnist-cnn", factorization="atoms", tiers=[1.0])
+    start_service(url, small_federation(**model, num_atoms=9)).stop()  # what the old default stored
+    fed = start_service(url, small_federation(**model)).coordinator.shared.federation
+    assert fed.spec.tensor("conv2.atoms").shape == (9, 5, 5) and fed.global_tensors["conv2.atoms"].shape == (9, 5, 5)
+    assert small_federation(**model).spec.tensor("conv2.atoms").shape == (25, 5, 5)

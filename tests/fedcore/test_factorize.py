@@ -1,6 +1,6 @@
 """Every factorization of one seed starts from the same function (issue: a fair baseline).
 
-Oracles: the plain model's own filters (atoms must rebuild them exactly when ``m ≥ k²``), and
+Oracles: the plain model's own filters (atoms must rebuild them exactly when ``m ≥ k²``, the default), and
 the Eckart–Young bound computed from ``torch.linalg.svdvals`` (a rank-``r`` fit can be no closer
 than the energy of the discarded singular values, and truncated SVD reaches it).
 """
@@ -21,7 +21,7 @@ def _plain_filters(model: str, seed: int) -> dict[str, torch.Tensor]:
     return ModelSpec(model, 10, "none").initial_model(seed).state_dict()
 
 
-@pytest.mark.parametrize("model", ["digits-cnn", "resnet18"])
+@pytest.mark.parametrize("model", ["digits-cnn", "resnet18", "mnist-cnn", "lenet-cifar10"])
 @pytest.mark.parametrize("factorization", ["atoms", "atoms-lowrank", "lowrank"])
 def test_round_zero_effective_filters_equal_the_plain_model(model: str, factorization: str) -> None:
     plain = _plain_filters(model, seed=7)
@@ -29,11 +29,24 @@ def test_round_zero_effective_filters_equal_the_plain_model(model: str, factoriz
     state = net.state_dict()
     atom_layers = [(p, m) for p, m in net.named_modules() if isinstance(m, AtomConv2d)]
     assert bool(atom_layers) == factorization.startswith("atoms")
-    for path, layer in atom_layers:  # 3×3 convs with 9 atoms: an exact fit
+    for path, layer in atom_layers:  # k² atoms per k×k conv by default (3×3 and 5×5 here): an exact fit
+        assert layer.num_atoms == layer.kernel_size**2
         torch.testing.assert_close(layer.weight, plain[f"{path}.weight"], rtol=0, atol=1e-6)
     for name, tensor in state.items():  # BatchNorm, heads, biases, 1×1 shortcuts: copied as they are
         if name in plain:
             assert torch.equal(tensor, plain[name]), name
+
+
+def test_the_papers_nine_atoms_on_a_5x5_conv_are_the_best_rank_9_fit_of_its_filters() -> None:
+    plain = _plain_filters("mnist-cnn", seed=7)
+    net = ModelSpec("mnist-cnn", 10, "atoms", num_atoms=9).initial_model(seed=7)
+    for path in ("conv1", "conv2"):
+        layer = net.get_submodule(path)
+        assert isinstance(layer, AtomConv2d) and layer.num_atoms == 9
+        stack = plain[f"{path}.weight"].double().flatten(0, 1).flatten(1)  # (c_out·c_in, 25) filters
+        bound = torch.linalg.svdvals(stack)[9:].square().sum().sqrt()  # Eckart–Young: no 9 atoms fit closer
+        error = (layer.weight.detach().double().flatten(0, 1).flatten(1) - stack).norm()
+        assert bound > 0.1 * stack.norm() and error.item() == pytest.approx(bound.item(), rel=1e-5)
 
 
 def test_the_federation_starts_atoms_and_plain_convs_from_one_model() -> None:

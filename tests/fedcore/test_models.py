@@ -330,7 +330,8 @@ def test_atoms_turns_every_spatial_conv_into_atoms():
                 assert module.kernel_size == (1, 1), f"{name}: {module_name} is a plain k>1 conv"
             if isinstance(module, AtomConv2d):
                 assert module.rank is None
-                assert tuple(module.atoms.shape) == (9, module.kernel_size, module.kernel_size)
+                k = module.kernel_size  # k² atoms by default: a complete basis of the k×k filters
+                assert tuple(module.atoms.shape) == (k * k, k, k)
             assert not isinstance(module, LowRankConv2d | LowRankLinear)
 
 

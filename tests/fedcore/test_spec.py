@@ -212,7 +212,7 @@ def test_factor_shapes_follow_fedhm():
     assert spec.tensor("conv1.weight").role == "body"  # full-rank prefix
     spec = spec_of("lenet-cifar10", "atoms-lowrank", 0.25)
     assert spec.tensor("conv2.coefficients_u").shape == (64, 16)
-    assert spec.tensor("conv2.coefficients_v").shape == (16, 64 * 9)
+    assert spec.tensor("conv2.coefficients_v").shape == (16, 64 * 25)  # 25 atoms for a 5×5 conv by default
     assert spec.tensor("conv2.coefficients_u").full_name == "conv2.coefficients"
     assert spec.tensor("conv2.atoms").role == "atoms"
     assert spec.tensor("conv1.coefficients").role == "coefficients"
@@ -574,3 +574,18 @@ def test_tier_one_model_computes_exactly_what_the_full_model_computes(combo):
     x = torch.randn(2, *spec.input_shape, generator=torch.Generator().manual_seed(7))
     expected = _outputs(spec.full().build(), full_state, x)
     assert torch.equal(_outputs(spec.build(), spec.from_full(full_state), x), expected)
+
+
+def test_a_spec_carries_its_atom_count_and_a_stored_one_keeps_the_papers_nine():
+    complete = ModelSpec("mnist-cnn", 10, "atoms")  # k² atoms per conv: 25 for McMahan's 5×5 convs
+    nine = ModelSpec("mnist-cnn", 10, "atoms", num_atoms=9)
+    assert complete.tensor("conv2.atoms").shape == (25, 5, 5) and complete.tensor("conv2.coefficients").shape == (
+        64,
+        32,
+        25,
+    )
+    assert nine.tensor("conv2.atoms").shape == (9, 5, 5)
+    for spec in (complete, nine):
+        assert ModelSpec.from_json(spec.to_json()) == spec
+    stored = json.loads(nine.to_json())  # a database written when 9 was the default says so
+    assert stored["num_atoms"] == 9 and ModelSpec.from_dict(stored).tensor("conv2.atoms").shape == (9, 5, 5)
