@@ -365,9 +365,14 @@ def _baseline(path: Path, setting: dict[str, Any], seeds: range) -> dict[tuple[s
     under another setting means nothing."""
     try:
         document = json.loads(path.read_text())
-        written, runs = document["setting"], document["runs"]
+        written, runs = dict(document["setting"]), document["runs"]
+        fedavg = {
+            r["seed"]: Outcome(list(r["accuracy"]), list(r["cumulative_bytes"]), 0.0)
+            for r in runs
+            if r["configuration"] == "fedavg"
+        }
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"not a --json file of this benchmark ({exc})") from exc
+        raise ValueError(f"not a --json file of this benchmark ({exc!r})") from exc
     ours = json.loads(json.dumps(setting, default=str))  # compared as the file holds it
     differ = sorted(
         k for k in ours.keys() | written.keys() if k not in ("stack_phi", "data_dir") and ours.get(k) != written.get(k)
@@ -375,13 +380,10 @@ def _baseline(path: Path, setting: dict[str, Any], seeds: range) -> dict[tuple[s
     if differ:
         shown = ", ".join(f"{k} {written.get(k)!r} there, {ours.get(k)!r} here" for k in differ)
         raise ValueError(f"written with another setting: {shown}")
-    fedavg = {r["seed"]: r for r in runs if r["configuration"] == "fedavg"}
     missing = [s for s in seeds if s not in fedavg]
     if missing:
         raise ValueError(f"holds no FedAvg run of seed {', '.join(map(str, missing))}")
-    return {
-        ("fedavg", s): Outcome(list(fedavg[s]["accuracy"]), list(fedavg[s]["cumulative_bytes"]), 0.0) for s in seeds
-    }
+    return {("fedavg", s): fedavg[s] for s in seeds}
 
 
 def _write_json(

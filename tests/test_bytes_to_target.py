@@ -138,12 +138,17 @@ def test_a_baseline_from_an_earlier_json_gives_the_table_a_run_with_fedavg_gives
 def test_a_baseline_of_another_setting_or_without_the_seeds_is_refused(tmp_path: Path) -> None:
     _run(tmp_path, "--seeds", "1", "--json", str(tmp_path / "fedavg.json"))
     (tmp_path / "other.txt").write_text("not json")
+    # the right setting, but a run entry cut short (an edited or truncated file)
+    damaged = json.loads((tmp_path / "fedavg.json").read_text())
+    del damaged["runs"][0]["accuracy"]
+    (tmp_path / "damaged.json").write_text(json.dumps(damaged))
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bytes_to_target.py"), "--configs", "fedhm-1/8"]
     for args, said in (
         (["--rounds", "3", "--lr", "0.05", "--baseline", "fedavg.json"], "rounds 2 there, 3 here"),
         (["--rounds", "2", "--lr", "0.05", "--seeds", "2", "--baseline", "fedavg.json"], "no FedAvg run of seed 1"),
         (["--rounds", "2", "--lr", "0.05", "--baseline", "other.txt"], "not a --json file"),
         (["--rounds", "2", "--lr", "0.05", "--baseline", "missing.json"], "not a --json file"),
+        (["--rounds", "2", "--lr", "0.05", "--baseline", "damaged.json"], "not a --json file"),
     ):
         proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert proc.returncode == 2 and said in proc.stderr, (args, proc.stderr)
