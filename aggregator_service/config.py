@@ -58,6 +58,9 @@ class FederationConfig:
     model_args: dict[str, Any] = field(default_factory=dict)
     #: Module-name patterns (fnmatch) kept full rank at every tier; unset: the model's own, else its stem.
     full_rank: list[str] | None = None
+    #: Unless full_rank or the model names them: the leading convs and linears whose weights hold together at
+    #: most this share of the factorizable layers' keep full rank with the stem (narrow first layers); 0: the stem.
+    full_rank_share: float = 1 / 16
     #: The classifier layer kept plain at every tier; unset: the last nn.Linear.
     head: str | None = None
     #: One input sample's shape, e.g. [3, 32, 32]; the zoo knows its own, a reference needs it.
@@ -224,6 +227,7 @@ class FederationConfig:
             full_rank=None if self.full_rank is None else tuple(self.full_rank),
             head=self.head,
             input_shape=None if self.input_shape is None else tuple(self.input_shape),
+            full_rank_share=float(self.full_rank_share),
         )
 
     def train_config(self, device: str = "auto") -> TrainConfig:

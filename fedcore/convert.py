@@ -10,11 +10,13 @@ order are unchanged apart from the new parameter names):
 
 Depthwise and 1×1 convs, BatchNorm, attention, embeddings and the head stay plain tensors the
 server averages. Which convs and linears keep full rank at low tiers is a rule, not a table:
-FedHM keeps the first layers full rank, so by default the first factorizable conv (the stem)
-does; a model class may name its own layers in a ``fedatoms_full_rank`` attribute
-(module-name patterns, :mod:`fnmatch`), and the federation's ``full_rank`` patterns override
-both. A layer whose factors would not be smaller than itself (FedHM's ``r = γ·c_out`` on a
-layer that widens) keeps full rank at that tier too.
+FedHM keeps the first layers full rank, because they are narrow (their rank at a low tier is a
+few channels) and the later layers hold most of the numbers. So by default the first factorizable
+conv (the stem) does, and with ``full_rank_share`` the leading layers that together hold at most
+that share of the factorizable weights do too; a model class may name its own layers in a
+``fedatoms_full_rank`` attribute (module-name patterns, :mod:`fnmatch`), and the federation's
+``full_rank`` patterns override both. A layer whose factors would not be smaller than itself
+(FedHM's ``r = γ·c_out`` on a layer that widens) keeps full rank at that tier too.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "FACTORIZATIONS",
     "FULL_RANK_ATTRIBUTE",
     "Factorization",
+    "check_full_rank_share",
     "factorizable_conv",
     "factorize",
     "full_rank_layers",
@@ -174,18 +177,31 @@ def head_name(model: nn.Module, configured: str | None = None) -> str | None:
     return linears[-1] if linears else None
 
 
-def full_rank_layers(model: nn.Module, patterns: Sequence[str] | None = None) -> frozenset[str]:
+def check_full_rank_share(share: float) -> None:
+    if not 0.0 <= share < 1.0:
+        raise ValueError(f"full_rank_share must be in [0, 1), got {share}")
+
+
+def full_rank_layers(
+    model: nn.Module,
+    patterns: Sequence[str] | None = None,
+    share: float = 0.0,
+    head: str | None = None,
+) -> frozenset[str]:
     """Names of the convs and linears that keep full rank at every tier (FedHM's first layers).
 
     ``patterns`` (fnmatch, against module names) override the model class's own
-    ``fedatoms_full_rank``, which overrides the default: the first factorizable conv.
+    ``fedatoms_full_rank``, which overrides the default: the first factorizable conv, and the
+    leading factorizable layers (in the order the model defines them, the head aside) whose
+    weights hold together at most ``share`` of all theirs.
     """
     candidates = [name for name, m in model.named_modules() if factorizable_conv(m) or type(m) is nn.Linear]
     if patterns is None:
         patterns = getattr(model, FULL_RANK_ATTRIBUTE, None)
     if patterns is None:
+        check_full_rank_share(share)
         first = next((name for name, m in model.named_modules() if factorizable_conv(m)), None)
-        return frozenset() if first is None else frozenset({first})
+        return frozenset(() if first is None else {first}) | _leading_layers(model, share, head)
     if isinstance(patterns, str):
         raise ValueError(f"full-rank patterns are a list of module-name patterns, got the string {patterns!r}")
     chosen = frozenset(name for name in candidates if any(fnmatchcase(name, p) for p in patterns))
@@ -203,6 +219,7 @@ def factorize(
     factorization: Factorization,
     full_rank: Sequence[str] | None = None,
     head: str | None = None,
+    full_rank_share: float = 0.0,
 ) -> nn.Module:
     """Replace ``model``'s convs and body linears in place by ``factorization``'s layers; returns ``model``.
 
@@ -212,8 +229,8 @@ def factorize(
     """
     if factorization.kind == "none":
         return model
-    keep = full_rank_layers(model, full_rank)
     head = head_name(model, head)
+    keep = full_rank_layers(model, full_rank, full_rank_share, head)
     targets = [
         (name, m)
         for name, m in model.named_modules()
@@ -250,3 +267,26 @@ def _replacement(old: nn.Module, f: Factorization, keep_full_rank: bool) -> nn.M
     if type(new) is nn.Conv2d:
         return None  # nothing to factorize at this tier: keep the original layer (and its values)
     return new.to(device)  # type: ignore[arg-type]  # a parameter's device
+
+
+def _leading_layers(model: nn.Module, share: float, head: str | None) -> frozenset[str]:
+    """The longest prefix of the factorizable layers whose weights hold at most ``share`` of all of theirs.
+
+    Narrow first layers get a rank of a few channels at a low tier while saving few bytes: FedHM's
+    reason for keeping its first layers full rank, as a rule any model's layer sizes decide.
+    """
+    head = head_name(model) if head is None else head
+    sizes = [
+        (name, m.weight.numel())
+        for name, m in model.named_modules()
+        if name != head and (factorizable_conv(m) or type(m) is nn.Linear)
+    ]
+    total = sum(n for _, n in sizes)
+    kept: set[str] = set()
+    held = 0
+    for name, n in sizes:
+        held += n
+        if held > share * total:
+            break
+        kept.add(name)
+    return frozenset(kept)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fedcore.convert import FACTORIZATIONS, Factorization, factorize, head_name
+from fedcore.convert import FACTORIZATIONS, Factorization, check_full_rank_share, factorize, head_name
 from fedcore.factorize import load_from_plain
 from fedcore.layers import (
     AtomConv2d,
@@ -75,6 +75,7 @@ _SPEC_KEYS = frozenset(
         "rank_ratio",
         "model_args",
         "full_rank",
+        "full_rank_share",
         "head",
         "input_shape",
         "tensors",
@@ -184,8 +185,9 @@ class ModelSpec:
 
     ``model`` is a zoo name or an import reference ``"package.module:callable"`` called with
     ``model_args``; ``full_rank`` (module-name patterns) and ``head`` override the walker's
-    rules (:mod:`fedcore.convert`); ``input_shape`` is one sample's ``(C, H, W)`` (the zoo knows
-    its own; a reference needs it).
+    rules (:mod:`fedcore.convert`), and ``full_rank_share`` is its rule for the leading layers kept
+    full rank (0, the stem only, is what a spec written without the key meant); ``input_shape`` is
+    one sample's ``(C, H, W)`` (the zoo knows its own; a reference needs it).
     """
 
     model: str
@@ -197,6 +199,7 @@ class ModelSpec:
     full_rank: tuple[str, ...] | None = None
     head: str | None = None
     input_shape: tuple[int, ...] | None = None
+    full_rank_share: float = 0.0
     _args: str = field(default="{}", init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -210,6 +213,7 @@ class ModelSpec:
             if isinstance(self.full_rank, str) or not all(isinstance(p, str) for p in self.full_rank):
                 raise ValueError(f"full_rank must be a list of module-name patterns, got {self.full_rank!r}")
             object.__setattr__(self, "full_rank", tuple(self.full_rank))
+        check_full_rank_share(self.full_rank_share)
         zoo_shape = MODELS[self.model].input_shape if is_zoo(self.model) else None
         shape = self.input_shape if self.input_shape is not None else zoo_shape
         if shape is None:
@@ -289,7 +293,7 @@ class ModelSpec:
 
     def _factorize(self, plain: nn.Module) -> nn.Module:
         f = Factorization(self.factorization, self.num_atoms, self.rank_ratio)
-        return factorize(plain, f, self.full_rank, self.head)
+        return factorize(plain, f, self.full_rank, self.head, self.full_rank_share)
 
     def build(self) -> nn.Module:
         return self._factorize(self.build_plain())
@@ -321,6 +325,8 @@ class ModelSpec:
             data["model_args"] = self.model_args
         if self.full_rank is not None:
             data["full_rank"] = list(self.full_rank)
+        if self.full_rank_share:
+            data["full_rank_share"] = self.full_rank_share
         if self.head is not None:
             data["head"] = self.head
         if not is_zoo(self.model):
@@ -356,6 +362,7 @@ class ModelSpec:
             full_rank=None if full_rank is None else _patterns(full_rank),
             head=data.get("head"),
             input_shape=None if data.get("input_shape") is None else tuple(data["input_shape"]),
+            full_rank_share=float(data.get("full_rank_share", 0.0)),
         )
         if "tensors" in data:
             sent = [TensorSpec(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"]]

@@ -38,6 +38,7 @@ _KEYS_SINCE: dict[str, Any] = {
     "tier_average": "aligned",
     "lama_warmup": "rounds",
     "tier_training": "own",
+    "full_rank_share": 0.0,
 }
 
 #: method keys whose default a later release changed: (the old default, the new one). A federation stored

@@ -97,6 +97,12 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--full-rank", type=_names, help="module-name patterns kept full rank at every tier, e.g. conv1,layer1.*"
     )
+    g.add_argument(
+        "--full-rank-share",
+        type=float,
+        help="without --full-rank: the leading convs and linears holding together at most this share of the "
+        f"factorizable weights keep full rank with the stem [{defaults.full_rank_share:g}; 0: the stem alone]",
+    )
     g.add_argument("--input-shape", type=_sizes, help="one sample's C,H,W for a reference model [the dataset's]")
     g.add_argument("--factorization", choices=["none", "atoms", "lowrank", "atoms-lowrank"])
     g.add_argument("--num-atoms", type=int, help="atoms per k×k conv [k²: a complete basis; the papers: 9]")

@@ -2,7 +2,8 @@
 
 ``tier_init``, ``tier_average``, ``tier_training`` and ``lama_warmup`` came after federations were stored: one
 stored without them restarts (not refused as "a different method") and keeps FedHM's truncated cut, aligned
-average and tiers that each train their own model; one stored with a value is held to it. ``atom_lr``'s
+average and tiers that each train their own model, and ``full_rank_share``, with the stem alone full rank; one
+stored with a value is held to it. ``atom_lr``'s
 and ``num_atoms``' defaults changed: one stored with the old default keeps it when restarted with unchanged
 settings.
 """
@@ -104,3 +105,16 @@ def test_a_federation_stored_with_the_papers_nine_atoms_keeps_them(backend, requ
     fed = start_service(url, small_federation(**model)).coordinator.shared.federation
     assert fed.spec.tensor("conv2.atoms").shape == (9, 5, 5) and fed.global_tensors["conv2.atoms"].shape == (9, 5, 5)
     assert small_federation(**model).spec.tensor("conv2.atoms").shape == (25, 5, 5)
+
+
+@pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
+def test_a_federation_stored_before_full_rank_share_keeps_its_stem_alone(backend, request, start_service):
+    """``full_rank_share`` came later: a federation stored without it restarts with the stem alone full rank, so its
+    ⅛ clients keep the factor pairs they train (McMahan's ``conv2`` at rank 8); a new one keeps ``conv2`` whole."""
+    url = request.getfixturevalue(backend)
+    model = dict(model="mnist-cnn", factorization="atoms-lowrank", tiers=[1.0, 0.125])
+    start_service(url, small_federation(**model, full_rank_share=0.0)).stop()
+    _drop_stored_keys(url, "full_rank_share")
+    fed = start_service(url, small_federation(**model)).coordinator.shared.federation  # not refused
+    assert fed.tier_spec(0.125).tensor("conv2.coefficients_u").shape == (64, 8)
+    assert "conv2.coefficients" in small_federation(**model).spec.at_tier(0.125).names

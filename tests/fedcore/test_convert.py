@@ -91,6 +91,54 @@ def test_full_rank_patterns_override_the_models_own_and_unmatched_ones_are_refus
         full_rank_layers(resnet, ["nope.*"])
 
 
+class Ladder(nn.Module):
+    """Factorizable weights 36 (conv1), 288 (conv2), 4,608 (fc) and a head: 4,932 in the body, by hand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3)  # 10×10 → 8×8
+        self.pw = nn.Conv2d(4, 4, 1)  # 1×1: never factorized, not counted
+        self.conv2 = nn.Conv2d(4, 8, 3)  # → 6×6
+        self.fc = nn.Linear(8 * 6 * 6, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.conv2(self.pw(torch.relu(self.conv1(x)))))
+        return self.head(torch.relu(self.fc(x.flatten(1))))
+
+
+def test_the_leading_layers_within_the_share_keep_full_rank_with_the_stem() -> None:
+    model = Ladder()
+    assert full_rank_layers(model) == {"conv1"}  # share 0: the stem alone, the rule before the share
+    assert full_rank_layers(model, share=0.066) == {"conv1", "conv2"}  # together 324 / 4,932 = 6.57 %
+    assert full_rank_layers(model, share=0.065) == {"conv1"}  # conv2 alone is 5.8 %: the sum counts
+    assert full_rank_layers(model, share=0.99) == {"conv1", "conv2"}  # the fc would bring 100 %; a prefix only
+    lowrank = factorize(Ladder(), Factorization("lowrank", rank_ratio=0.125), full_rank_share=0.99)
+    assert type(lowrank.conv2) is nn.Conv2d and isinstance(lowrank.fc, LowRankLinear)
+    assert type(lowrank.head) is nn.Linear
+    # patterns and a model's own layers override the share
+    assert full_rank_layers(model, ["fc"], share=0.99) == {"fc"}
+    assert full_rank_layers(build_model("resnet18"), share=0.5) == {"conv1", "layer1.0.conv1", "layer1.0.conv2"}
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=r"full_rank_share must be in \[0, 1\)"):
+            full_rank_layers(model, share=bad)
+
+
+def test_the_default_share_keeps_the_narrow_convs_of_mcmahans_cnn_and_not_the_digits_cnns_conv2() -> None:
+    from aggregator_service.config import FederationConfig
+
+    # mnist-cnn: conv1 800 and conv2 51,200 of 1,657,632 body weights (3.1 %) against fc1's 1,605,632
+    mnist = FederationConfig(model="mnist-cnn", factorization="atoms-lowrank", tiers=[1.0, 0.125])
+    eighth = mnist.spec.at_tier(0.125)
+    assert "conv2.coefficients" in eighth.names and "conv2.coefficients_u" not in eighth.names
+    assert "fc1.lowrank_u" in eighth.names
+    # digits-cnn: conv2's 18,432 of 149,792 bring the prefix to 12.5 %, past 1/16: rank 8 at ⅛ as before
+    digits = FederationConfig(model="digits-cnn", factorization="atoms-lowrank", tiers=[1.0, 0.125])
+    assert digits.spec.at_tier(0.125).tensor("conv2.coefficients_u").shape == (64, 8)
+    with pytest.raises(ValueError, match="full_rank_share"):
+        FederationConfig(model="mnist-cnn", full_rank_share=1.5)
+
+
 def test_a_widening_linear_stays_full_rank_where_its_factors_would_be_larger() -> None:
     wide = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
     model = factorize(wide, Factorization("lowrank", rank_ratio=0.5))

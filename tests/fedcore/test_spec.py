@@ -589,3 +589,18 @@ def test_a_spec_carries_its_atom_count_and_a_stored_one_keeps_the_papers_nine():
         assert ModelSpec.from_json(spec.to_json()) == spec
     stored = json.loads(nine.to_json())  # a database written when 9 was the default says so
     assert stored["num_atoms"] == 9 and ModelSpec.from_dict(stored).tensor("conv2.atoms").shape == (9, 5, 5)
+
+
+def test_a_spec_carries_its_full_rank_share_and_one_written_without_it_keeps_the_stem_alone():
+    shared = ModelSpec("mnist-cnn", 10, "atoms-lowrank", rank_ratio=0.125, full_rank_share=1 / 16)
+    stem = ModelSpec("mnist-cnn", 10, "atoms-lowrank", rank_ratio=0.125)
+    assert "conv2.coefficients" in shared.names  # conv2 is 3.1 % of the body's weights: kept whole
+    assert stem.tensor("conv2.coefficients_u").shape == (64, 8)  # the stem alone: rank round(64 / 8)
+    assert ModelSpec.from_json(shared.to_json()) == shared
+    written = json.loads(shared.to_json())
+    assert written["full_rank_share"] == 1 / 16
+    del written["full_rank_share"], written["tensors"]  # as a server (or a saved model) before the key wrote it
+    assert ModelSpec.from_dict(written) == stem
+    assert "full_rank_share" not in json.loads(stem.to_json())
+    with pytest.raises(ValueError, match="full_rank_share"):
+        ModelSpec("mnist-cnn", 10, "lowrank", rank_ratio=0.5, full_rank_share=-1.0)
