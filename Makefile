@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/fedatoms demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest -n 2 --dist loadscope --durations=25
 
 # deploy/ for real: base image (once), images (cached layers), compose and `podman kube play` federations;
 # prints why and exits 0 where podman cannot run containers (tests/deploy/run.sh, docs/deploy.md)

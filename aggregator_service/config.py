@@ -169,7 +169,8 @@ class FederationConfig:
             raise ValueError(
                 "the fixed policy delays atom coefficients: it needs --factorization atoms or atoms-lowrank"
             )
-        self.spec  # noqa: B018  # validates model, classes, factorization and atoms now, not mid-run
+        for tier in self.tiers:  # model, classes, factorization, atoms and each tier's forward pass fail now
+            self.spec.at_tier(tier).check_forward()
         build_strategy(self.strategy, **self.strategy_params(num_clients_total=1))  # bad arguments fail now
         if self.normalization is not None:
             norm = Normalization.from_dict(self.normalization)

@@ -222,6 +222,8 @@ class AtomConv2d(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        if self.atoms.is_meta:
+            return  # a meta module (a spec read for its shapes) has no values to draw
         with torch.no_grad():
             self.atoms.copy_(orthonormal_atoms(self.num_atoms, self.kernel_size))
             # Var(α) = 2/(c_in·m_a) with orthonormal atoms gives Var(W) ≈ 2/(c_in·k²): Kaiming.
@@ -397,6 +399,8 @@ class LowRankConv2d(nn.Module):
     def reset_parameters(self) -> None:
         # Kaiming (fan_out) variance for the product U V, split evenly; no SVD, so building a
         # tier model is cheap (the server's spectral initialization overwrites it anyway).
+        if self.lowrank_u.is_meta:
+            return  # a meta module (a spec read for its shapes) has no values to draw
         target = 2.0 / (self.out_channels * self.kernel_size**2)
         _init_factor_pair(self.lowrank_u, self.lowrank_v, target)
         if self.bias is not None:
@@ -462,6 +466,8 @@ class LowRankLinear(nn.Module):
 
     def reset_parameters(self) -> None:
         # nn.Linear's default weight variance 1/(3·in), carried by the product U V
+        if self.lowrank_u.is_meta:
+            return  # a meta module (a spec read for its shapes) has no values to draw
         _init_factor_pair(self.lowrank_u, self.lowrank_v, 1.0 / (3.0 * self.in_features))
         if self.bias is not None:
             bound = 1.0 / math.sqrt(self.in_features)

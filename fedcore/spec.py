@@ -142,14 +142,19 @@ def _args_json(args: Mapping[str, Any]) -> str:
         ) from None
 
 
-@cache
-def _derive(spec: ModelSpec) -> tuple:
+def _meta_module(spec: ModelSpec) -> nn.Module:
     torch_state = torch.random.get_rng_state()
     try:
         with torch.device("meta"):  # shapes only: no memory, no initialization cost
-            net = spec.build()
+            return spec.build()
     finally:
         torch.random.set_rng_state(torch_state)  # deriving a spec must not disturb anyone's seed
+
+
+@cache
+def _derive(spec: ModelSpec) -> tuple:
+    """The tensors and parameter count: read off the module, no forward pass."""
+    net = _meta_module(spec)
     roles = tensor_roles(net, spec.head)
     tensors = []
     for name, t in net.state_dict().items():
@@ -159,9 +164,20 @@ def _derive(spec: ModelSpec) -> tuple:
             full_name = f"{name.rpartition('.')[0]}.{FACTOR_ROLES[role]}"
         tensors.append(TensorSpec(name, tuple(t.shape), _dtype_name(t.dtype), role, full_name))
     params = sum(p.numel() for p in net.parameters())
+    return tuple(tensors), params
+
+
+@cache
+def _forward_facts(spec: ModelSpec) -> int:
+    """The forward pass's facts: it gives ``num_classes`` logits (raises otherwise) and its MACs per sample.
+
+    Apart from :func:`_derive` because the first forward pass on the meta device costs a process about a
+    second (PyTorch imports its compiler for the meta kernels of elementwise ops), which a process that
+    reads only the shapes (the dashboard, an export, a prediction) should not pay.
+    """
+    net = _meta_module(spec)
     _check_outputs(spec, net)
-    macs = count_macs(net, spec.input_shape)  # type: ignore[arg-type]  # _derive runs on a spec whose input_shape __post_init__ set
-    return tuple(tensors), params, macs
+    return count_macs(net, spec.input_shape)  # type: ignore[arg-type]  # __post_init__ set input_shape
 
 
 def _check_outputs(spec: ModelSpec, net: nn.Module) -> None:
@@ -243,7 +259,12 @@ class ModelSpec:
     @property
     def macs(self) -> int:
         """Forward multiply-accumulates per sample (:func:`fedcore.macs.count_macs` of the tier's module)."""
-        return self._derived()[2]
+        return _forward_facts(self)
+
+    def check_forward(self) -> None:
+        """Raise ``ValueError`` unless the model takes ``input_shape`` and gives ``num_classes`` logits: where a
+        federation accepts its model, so a wrong one fails there and not mid-round."""
+        _forward_facts(self)
 
     def __iter__(self) -> Iterator[TensorSpec]:
         return iter(self.tensors)

@@ -15,17 +15,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+SMALL = ("--rounds", "2", "--lr", "0.05", "--configs", "fedavg")
+
+
 def _run(tmp_path: Path, *args: str) -> str:
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "bytes_to_target.py"),
-        "--rounds",
-        "2",
-        "--lr",
-        "0.05",
-        "--configs",
-        "fedavg",
-    ]
+    """The benchmark as a command."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bytes_to_target.py"), *SMALL]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [*cmd, "--plot", str(tmp_path / "plot.png"), *args], capture_output=True, text=True, timeout=300, env=env
@@ -94,14 +89,20 @@ def test_your_own_folder_is_what_fedavg_and_every_configuration_federate(tmp_pat
     assert cut["tier"] == 0.125 and cut["accuracy"] == [r["tier_accuracy"]["0.125"] for r in rounds]
 
 
-def test_a_setting_fedavg_must_share_is_refused_in_set(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _script(monkeypatch: pytest.MonkeyPatch):
+    """The benchmark as a module, to call its ``main`` in this process (a refusal exits before any run)."""
     spec = importlib.util.spec_from_file_location("bytes_to_target", ROOT / "benchmarks" / "bytes_to_target.py")
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclasses look their module up there
     spec.loader.exec_module(script)
+    return script
+
+
+def test_a_setting_fedavg_must_share_is_refused_in_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = _script(monkeypatch)
     for args, said in (
         (["--set", "rounds=3"], "use --rounds"),
         (["--set", "lr=0.1"], "use --lr"),
@@ -114,12 +115,19 @@ def test_a_setting_fedavg_must_share_is_refused_in_set(
         assert exited.value.code == 2 and said in capsys.readouterr().err, args
 
 
-def test_a_baseline_from_an_earlier_json_gives_the_table_a_run_with_fedavg_gives(tmp_path: Path) -> None:
+def test_a_baseline_from_an_earlier_json_gives_the_table_a_run_with_fedavg_gives(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = _script(monkeypatch)
+
+    def run(*args: str) -> str:  # in this process: the command itself is run by the tests above
+        assert script.main([*SMALL, "--plot", str(tmp_path / "plot.png"), *args]) == 0
+        return capsys.readouterr().out
+
     configs = ("--configs", "fedhm-1/8,fedhm-1")
-    together = _run(tmp_path, "--seeds", "2", *configs, "--json", str(tmp_path / "first.json"))
+    together = run("--seeds", "2", *configs, "--json", str(tmp_path / "first.json"))
     # seed 1 alone, FedAvg's runs read from the first file: the same target, the same figures
-    alone = _run(
-        tmp_path,
+    alone = run(
         "--seeds", "1", "--first-seed", "1", *configs,
         "--baseline", str(tmp_path / "first.json"), "--json", str(tmp_path / "second.json"),
     )  # fmt: skip
@@ -135,14 +143,17 @@ def test_a_baseline_from_an_earlier_json_gives_the_table_a_run_with_fedavg_gives
     assert second[("fedhm-1", 1)]["fewer_bytes"] == 1.0
 
 
-def test_a_baseline_of_another_setting_or_without_the_seeds_is_refused(tmp_path: Path) -> None:
+def test_a_baseline_of_another_setting_or_without_the_seeds_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     _run(tmp_path, "--seeds", "1", "--json", str(tmp_path / "fedavg.json"))
     (tmp_path / "other.txt").write_text("not json")
     # the right setting, but a run entry cut short (an edited or truncated file)
     damaged = json.loads((tmp_path / "fedavg.json").read_text())
     del damaged["runs"][0]["accuracy"]
     (tmp_path / "damaged.json").write_text(json.dumps(damaged))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bytes_to_target.py"), "--configs", "fedhm-1/8"]
+    script = _script(monkeypatch)
+    monkeypatch.chdir(tmp_path)
     for args, said in (
         (["--rounds", "3", "--lr", "0.05", "--baseline", "fedavg.json"], "rounds 2 there, 3 here"),
         (["--rounds", "2", "--lr", "0.05", "--seeds", "2", "--baseline", "fedavg.json"], "no FedAvg run of seed 1"),
@@ -150,6 +161,8 @@ def test_a_baseline_of_another_setting_or_without_the_seeds_is_refused(tmp_path:
         (["--rounds", "2", "--lr", "0.05", "--baseline", "missing.json"], "not a --json file"),
         (["--rounds", "2", "--lr", "0.05", "--baseline", "damaged.json"], "not a --json file"),
     ):
-        proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-        assert proc.returncode == 2 and said in proc.stderr, (args, proc.stderr)
-        assert "seed 0:" not in proc.stderr  # refused before any run started
+        with pytest.raises(SystemExit) as exited:
+            script.main(["--configs", "fedhm-1/8", "--plot", str(tmp_path / "refused.png"), *args])
+        out = capsys.readouterr()
+        assert exited.value.code == 2 and said in out.err, (args, out.err)
+        assert "seed 0:" not in out.out + out.err and not (tmp_path / "refused.png").exists()  # before any run

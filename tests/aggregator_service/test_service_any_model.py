@@ -148,8 +148,12 @@ def run_federation(tmp_path: Path, start_service, url: str, model: str, factoriz
     return agents
 
 
-@pytest.mark.parametrize("factorization", list(METHODS))
-@pytest.mark.parametrize("model", list(MODELS))
+# resnet18's atoms-lowrank run (two SVD passes of 11M weights a round) is left out: resnet18 runs FedHM's own
+# low-rank case, and atoms with low-rank coefficients on a BatchNorm model is cifar_vgg11_bn's case
+CASES = [(m, f) for m in MODELS for f in METHODS if (m, f) != ("torchvision.models:resnet18", "atoms-lowrank")]
+
+
+@pytest.mark.parametrize(("model", "factorization"), CASES)
 def test_any_model_federates_over_grpc(model, factorization, tmp_path, start_service) -> None:
     url = f"sqlite:///{tmp_path / 'agg.db'}"
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 
 ``python limited.py HEADROOM_MB SERVER fedatoms ARGS…`` or ``python limited.py HEADROOM_MB SERVER materialize
 MODULE:FN``. Before the limit is read off, the process does once what a client's fixed costs are: it
-imports everything, opens a gRPC channel to SERVER (gRPC's thread pools) and trains LeNet on a few
+imports everything, opens a gRPC channel to SERVER (gRPC's thread pools) and trains the test's model on a few
 generated samples (torch's lazy allocations). The limit counts heap and anonymous memory (Linux ≥ 4.7),
 so from then on a process that copies more than the headroom into memory fails; one that streams does not.
 """
@@ -28,17 +28,16 @@ def main() -> int:
     import grpc  # everything the client imports, before the limit is measured
     import torch
     import torchvision  # noqa: F401
-    from big_data import Generated
+    from big_data import Generated, StreamNet
 
     import client_agent.agent  # noqa: F401
     import fedatoms.cli
-    from fedcore.spec import ModelSpec
     from fedcore.training import TrainConfig, local_update
 
     logging.getLogger().addHandler(logging.NullHandler())
     with grpc.insecure_channel(sys.argv[2]) as channel:
         grpc.channel_ready_future(channel).result(timeout=60)
-    model = ModelSpec("lenet-cifar10", 10, "none").initial_model(0)
+    model = StreamNet()
     local_update(model, Generated(400), TrainConfig(batch_size=100, device="cpu"), seed=0)
     del model
     limit = data_bytes() + headroom

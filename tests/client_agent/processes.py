@@ -50,6 +50,7 @@ class Aggregator:
     url: str
     log: Path
     proc: subprocess.Popen | None = None
+    env: dict[str, str] | None = None  # instead of ENV (e.g. a PYTHONPATH that finds a test's model)
 
     @property
     def target(self) -> str:
@@ -58,7 +59,9 @@ class Aggregator:
     def start(self) -> Aggregator:
         cmd = [sys.executable, "-m", "fedatoms", "aggregator", "serve", "--config", str(self.config)]
         cmd += ["--listen", self.target, "--database-url", self.url]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=self.log.open("ab"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=self.env or ENV, stdout=self.log.open("ab"), stderr=subprocess.STDOUT
+        )
         try:
             wait_serving(self.target)
         except TimeoutError:

@@ -18,8 +18,8 @@ from processes import ENV, ROOT, SECRET, Aggregator, wait_closed
 from support import free_port
 
 HERE = Path(__file__).resolve().parent
-HEADROOM_MB = 256  # fixed costs while running (an evaluation batch's convolution alone takes 47 MiB) fit
-SAMPLES = 28000  # × 3·32·32 float32 = 328 MiB, over 1.25 × the headroom
+HEADROOM_MB = 128  # fixed costs while running (gRPC messages, an evaluation batch) fit
+SAMPLES = 14000  # × 3·32·32 float32 = 164 MiB, over 1.25 × the headroom
 
 
 @pytest.mark.slow
@@ -29,11 +29,12 @@ def test_data_larger_than_the_memory_limit_trains(tmp_path: Path) -> None:
     config = tmp_path / "fed.toml"
     config.write_text(
         f'enrollment_secret = "{SECRET}"\npoll_interval_seconds = 0.1\ndeadline_seconds = 900\n\n[federation]\n'
-        'model = "lenet-cifar10"\nrounds = 1\nfraction = 1.0\nlocal_epochs = 1\nbatch_size = 128\n'
+        'model = "big_data:StreamNet"\ninput_shape = [3, 32, 32]\nnum_classes = 10\nrounds = 1\nfraction = 1.0\n'
+        "local_epochs = 1\nbatch_size = 128\n"
     )
     url = f"sqlite:///{tmp_path / 'agg.db'}"
-    server = Aggregator(config, free_port(), url, tmp_path / "server.log").start()
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]), "BIG_DATA_SAMPLES": str(SAMPLES)}
+    server = Aggregator(config, free_port(), url, tmp_path / "server.log", env=env).start()
     limited = [sys.executable, str(HERE / "limited.py"), str(HEADROOM_MB), server.target]
     try:
         copy = subprocess.run([*limited, "materialize", "big_data:load"], env=env, capture_output=True, text=True)
@@ -41,7 +42,15 @@ def test_data_larger_than_the_memory_limit_trains(tmp_path: Path) -> None:
 
         log = tmp_path / "client.log"
         cmd = [*limited, "fedatoms", "client", "run", "--server", server.target, "--enrollment-secret", SECRET]
-        cmd += ["--data", "big_data:load", "--state-dir", str(tmp_path / "state"), "--no-progress"]
+        cmd += [
+            "--data",
+            "big_data:load",
+            "--allow-model",
+            "big_data",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--no-progress",
+        ]
         with log.open("wb") as out:
             code = subprocess.run(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=900).returncode
         text = log.read_text()

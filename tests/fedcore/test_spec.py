@@ -604,3 +604,37 @@ def test_a_spec_carries_its_full_rank_share_and_one_written_without_it_keeps_the
     assert "full_rank_share" not in json.loads(stem.to_json())
     with pytest.raises(ValueError, match="full_rank_share"):
         ModelSpec("mnist-cnn", 10, "lowrank", rank_ratio=0.5, full_rank_share=-1.0)
+
+
+def test_a_model_that_does_not_give_num_classes_logits_is_refused_where_the_federation_takes_it():
+    from aggregator_service.config import FederationConfig
+
+    wrong_classes = dict(model="torchvision.models:resnet18", input_shape=[3, 32, 32])  # ImageNet's 1000 outputs
+    spec = ModelSpec(**wrong_classes, num_classes=10)  # type: ignore[arg-type]
+    assert spec.tensors[-1].shape == (1000,)  # the shapes are there without a forward pass
+    with pytest.raises(ValueError, match=r"gives outputs of shape \[1000\] per sample, not 10 class scores"):
+        spec.check_forward()
+    with pytest.raises(ValueError, match=r"not 10 class scores"):
+        FederationConfig(**wrong_classes, num_classes=10)
+    grey = dict(wrong_classes, model_args={"num_classes": 10}, input_shape=[1, 32, 32])  # 3-channel stem
+    with pytest.raises(ValueError, match=r"cannot take inputs of shape \[1, 32, 32\]"):
+        FederationConfig(**grey, num_classes=10)
+    assert ModelSpec(**dict(grey, input_shape=(3, 32, 32)), num_classes=10).macs > 0  # type: ignore[arg-type]
+
+
+def test_a_process_that_reads_only_a_specs_tensors_runs_no_forward_pass():
+    """The dashboard, an export or a prediction reads a spec the aggregator checked for its shapes: they need
+    no forward pass, whose first run on the meta device imports PyTorch's compiler (about a second)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from fedcore.spec import ModelSpec\n"
+        "s = ModelSpec('resnet18', 10, 'atoms-lowrank', rank_ratio=0.25)\n"
+        "assert len(s.tensors) > 0 and s.num_parameters > 0\n"
+        "print('torch._dynamo' in sys.modules)\n"
+        "s.check_forward()\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
