@@ -33,6 +33,7 @@ def pytest_report_header() -> list[str]:
     ]
 
 
+@pytest.hookimpl(optionalhook=True)  # a run without pytest-xdist (-p no:xdist) does not know the hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """``--dist loadscope`` with a test's scope its file where the file shares fixtures (module docstring)."""
     if config.getvalue("dist") != "loadscope":
