@@ -6,13 +6,16 @@ Each test skips, saying why, where its tool is missing."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+from support import free_port, wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -119,6 +122,44 @@ def test_systemd_units_verify_without_warnings(tmp_path: Path) -> None:
     assert len(units) == 2
     done = subprocess.run([analyze, "verify", *units], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stderr == "", done.stderr
+
+
+def _unit_command(unit: str, key: str, fedatoms: str) -> list[str]:
+    line = next(x for x in (DEPLOY / "systemd" / unit).read_text().splitlines() if x.startswith(f"{key}="))
+    return shlex.split(line.removeprefix(f"{key}=").replace("/opt/fedatoms/venv/bin/fedatoms", fedatoms))
+
+
+def test_the_systemd_recipe_migrates_and_serves_with_its_env_file(tmp_path: Path) -> None:
+    """docs/deploy.md's files as installed: the Kubernetes federation.toml and fedatoms.env as shipped,
+    with only the database (SQLite here) and the port changed; both units' commands run with them."""
+    fedatoms = tool("fedatoms")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDATOMS_")}
+    for line in (DEPLOY / "systemd" / "fedatoms.env").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key] = value
+    listen = env.get("FEDATOMS_LISTEN") or tomllib.loads((KUBERNETES / "federation.toml").read_text())["listen"]
+    host, _, _ = listen.rpartition(":")
+    env["FEDATOMS_LISTEN"] = f"{host}:{free_port()}"
+    env["FEDATOMS_DATABASE_URL"] = f"sqlite:///{tmp_path / 'fedatoms.db'}"
+    toml = tmp_path / "federation.toml"
+    toml.write_text((KUBERNETES / "federation.toml").read_text())
+
+    def command(key: str) -> list[str]:
+        cmd = _unit_command("fedatoms-aggregator.service", key, fedatoms)
+        return [str(toml) if arg == "/etc/fedatoms/federation.toml" else arg for arg in cmd]
+
+    done = subprocess.run(command("ExecStartPre"), capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "schema at" in done.stdout
+    log = (tmp_path / "aggregator.log").open("wb")
+    server = subprocess.Popen(command("ExecStart"), env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_serving(env["FEDATOMS_LISTEN"])
+    finally:
+        server.terminate()
+        server.wait(30)
+    assert server.returncode == 0, (tmp_path / "aggregator.log").read_text()[-2000:]
 
 
 def test_dashboard_app_imports_without_torch() -> None:
