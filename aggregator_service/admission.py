@@ -3,14 +3,17 @@
 A gRPC sync server has a fixed pool of threads; a call that waits holds one. So work that must
 be limited (receiving a push holds a model's worth of memory) is guarded by a :class:`Gate`:
 ``slots`` callers inside, at most ``waiting`` more blocked in line, and any caller beyond that
-refused at once, so waiting callers can never take the threads other calls need.
+refused at once, so waiting callers can never take the threads other calls need. A client's own
+calls are limited apart from that (:class:`LatestPerClient`): one enrolled client that opens streams
+and sends nothing, or reads nothing, holds one thread and one slot, not all of them.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any, Protocol
 
-__all__ = ["Gate"]
+__all__ = ["Gate", "LatestPerClient"]
 
 
 class Gate:
@@ -44,3 +47,32 @@ class Gate:
         with self._cond:
             self._inside -= 1
             self._cond.notify()
+
+
+class _Call(Protocol):
+    def cancel(self) -> Any: ...
+
+
+class LatestPerClient:
+    """One call of a kind per client: a client's new call cancels its call before.
+
+    A client that opens another push or fetch has given up on the one before (it retries after a
+    broken link, whose stream the server may not see end for hours); cancelling it frees its thread
+    and its slot at once. A client that opens many holds one.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: dict[str, _Call] = {}
+
+    def enter(self, client_id: str, call: _Call) -> None:
+        with self._lock:
+            before = self._calls.get(client_id)
+            self._calls[client_id] = call
+        if before is not None:
+            before.cancel()
+
+    def leave(self, client_id: str, call: _Call) -> None:
+        with self._lock:
+            if self._calls.get(client_id) is call:
+                del self._calls[client_id]

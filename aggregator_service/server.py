@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from torch import Tensor
 
 from aggregator_service import request_checks, store
-from aggregator_service.admission import Gate
+from aggregator_service.admission import Gate, LatestPerClient
 from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
 from aggregator_service.coordinator import ClientInfo, Coordinator, Done, OpenRound, PushResult, Train, kv
 from aggregator_service.errors import InvalidArgument, ServiceError, Unauthenticated, Unavailable
@@ -109,6 +109,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.coordinator = coordinator
         # pushes received at once (into spool files), and of those, decoded at once: memory flat in the cohort
         self._pushes = Gate(settings.max_concurrent_pushes, push_waiters)
+        # a client's push ends its push before: however many it opens, it holds one thread and one slot
+        self._client_pushes = LatestPerClient()
         # decoding, validating and storing run on these threads, not the RPC's: the updates in memory are
         # bounded by their number, and so are the thread-local caches numpy and torch keep per thread
         self._decoders = futures.ThreadPoolExecutor(settings.max_pushes_in_memory, thread_name_prefix="decode")
@@ -119,6 +121,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self.tarpit = Tarpit(settings.refusal_delay_seconds, settings.refusal_waiters)
         self.settings = settings
         self.push_limit = settings.push_limit
+        # the names a push may carry: any tier's (a name's header costs memory even where its tensor is empty)
+        fed = settings.federation
+        self.push_names = frozenset(n for tier in fed.tiers for n in fed.spec.at_tier(tier).names)
         self.fp16 = settings.federation.fp16
         self.mtls = settings.tls_client_ca is not None
         self._cert_digests: dict[bytes, str] = {}  # PEM → sha256 of its DER
@@ -168,7 +173,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 memory_bytes=p.memory_bytes if p.HasField("memory_bytes") else None,
                 uplink_bps=p.uplink_bps if p.HasField("uplink_bps") else None,
                 downlink_bps=p.downlink_bps if p.HasField("downlink_bps") else None,
-                num_samples=max(0, p.num_samples),
+                num_samples=p.num_samples,
                 preferred_tier=p.preferred_tier if p.HasField("preferred_tier") else None,
             )
         except ValueError as exc:  # NaN, infinite or negative capacities: the caller's mistake
@@ -286,16 +291,20 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     ) -> pb.PushReply:
         """Messages arrive as :func:`framing.parse_push_message` gives them: chunks parsed in place, else messages."""
         client = self._client(context)
-        first = next(request_iterator, None)
-        if not isinstance(first, pb.PushMessage) or first.WhichOneof("payload") != "header":
-            raise InvalidArgument("the first PushMessage must carry the PushHeader (round, update_id, num_samples)")
-        header = first.header
-        if not self._pushes.enter():
-            raise Unavailable("the aggregator is receiving other clients' updates: retry the push shortly")
+        self._client_pushes.enter(client.id, context)
         try:
-            result, complete = self._receive(header, client, request_iterator)
+            first = next(request_iterator, None)
+            if not isinstance(first, pb.PushMessage) or first.WhichOneof("payload") != "header":
+                raise InvalidArgument("the first PushMessage must carry the PushHeader (round, update_id, num_samples)")
+            header = first.header
+            if not self._pushes.enter():
+                raise Unavailable("the aggregator is receiving other clients' updates: retry the push shortly")
+            try:
+                result, complete = self._receive(header, client, request_iterator)
+            finally:
+                self._pushes.leave()
         finally:
-            self._pushes.leave()
+            self._client_pushes.leave(client.id, context)
         if complete is not None:  # this update completed the round: closed with the update's arrays dropped
             self.coordinator.close_complete(complete)
         return pb.PushReply(
@@ -312,7 +321,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             def spool() -> Any:
                 return files.enter_context(tempfile.TemporaryFile(prefix="fedatoms-push-", dir=self.spool_dir))
 
-            model = codec.Reassembler(max_total_bytes=self.push_limit, spool=spool())
+            model = codec.Reassembler(max_total_bytes=self.push_limit, spool=spool(), accepted=self.push_names)
             control: codec.Reassembler | None = None
             tensor_bytes: dict[str, int] = {}
             for msg in request_iterator:
@@ -327,7 +336,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                     elif kind == pb.TENSOR_KIND_CONTROL_DELTA:
                         if control is None:
                             limit = max(0, self.push_limit - model.bytes_received)
-                            control = codec.Reassembler(max_total_bytes=limit, spool=spool())
+                            control = codec.Reassembler(max_total_bytes=limit, spool=spool(), accepted=self.push_names)
                         control.add(piece)
                     else:
                         raise InvalidArgument(

@@ -5,9 +5,11 @@ enrolled client from pushing a well-formed update that drags the average whereve
 Two bounds act on the update *aligned to full rank* (FedHM eq. 1), the values the strategy
 averages, so a tier-1/4 client's factors count through their product ``U Vᵀ``:
 
-* a magnitude bound (always on): every aligned value ``|x| ≤ max_value``. Finite factors
-  whose product overflows float32 (or merely dwarfs any trained weight) are refused at push,
-  instead of failing the round's close.
+* a magnitude bound (always on): every aligned value within ``max_value`` of the global value
+  the round began from, ``|x − g| ≤ max_value``. Finite factors whose product overflows float32
+  (or merely dwarfs any trained weight) are refused at push, instead of failing the round's close.
+  It bounds the change, not the value: a global model that a bad round (or a tier average, which
+  is not convex entry by entry) put past ``max_value`` still takes every honest update after it.
 * a norm bound (the operator's option): ``‖Δ‖₂ ≤ max_norm`` for ``Δ = aligned − global`` over
   the update's floating-point tensors. ``reject`` refuses the push; ``clip`` folds
   ``global + Δ · min(1, max_norm/‖Δ‖)``, the fixed clipping of DP-FedAvg (McMahan et al. 2018,
@@ -50,11 +52,11 @@ class UpdateBounds:
 
     def check(self, spec: ModelSpec, tensors: Mapping[str, Tensor], global_tensors: Mapping[str, Tensor]) -> None:
         """At push: refuse (InvalidArgument) an update over the magnitude bound, or the norm bound in reject mode."""
-        for name, peak in _peaks(spec, tensors, self.max_value).items():
+        for name, peak in _peaks(spec, tensors, global_tensors, self.max_value).items():
             if not peak <= self.max_value:  # NaN and inf fail too
                 raise InvalidArgument(
-                    f"tensor {name!r} (aligned to full rank) holds a value of magnitude {peak:.3g}, over "
-                    f"max_update_value = {self.max_value:g}: no trained model has such values"
+                    f"tensor {name!r} (aligned to full rank) moves a value by {peak:.3g} from the global model, "
+                    f"over max_update_value = {self.max_value:g}: no training step moves a weight that far"
                 )
         if self.max_norm is not None and self.mode == "reject":
             norm = delta_norm(_aligned(spec, tensors), global_tensors)
@@ -80,11 +82,14 @@ class UpdateBounds:
         return replace(update, aligned=clipped)
 
 
-def _peaks(spec: ModelSpec, tensors: Mapping[str, Tensor], limit: float) -> dict[str, float]:
-    """Full-rank name → the largest |value| of the aligned tensor, without aligning when a bound already shows it small.
+def _peaks(
+    spec: ModelSpec, tensors: Mapping[str, Tensor], global_tensors: Mapping[str, Tensor], limit: float
+) -> dict[str, float]:
+    """Full-rank name → the largest ``|aligned − global|``, without aligning when a bound already shows it small.
 
-    A factor pair's product ``U V`` has ``|(U V)_ij| ≤ ‖U_i,:‖₂ ‖V_:,j‖₂`` (Cauchy–Schwarz): only a pair whose bound
-    exceeds ``limit`` is multiplied out, so an honest push costs O(its size), not a matrix product per layer.
+    A factor pair's product ``U V`` has ``|(U V)_ij| ≤ ‖U_i,:‖₂ ‖V_:,j‖₂`` (Cauchy–Schwarz), so ``|U V − G|`` is at
+    most that plus ``max |G|``: only a pair whose bound exceeds ``limit`` is multiplied out, so an honest push
+    costs O(its size), not a matrix product per layer.
     """
     peaks: dict[str, float] = {}
     for t in spec.tensors:
@@ -92,16 +97,18 @@ def _peaks(spec: ModelSpec, tensors: Mapping[str, Tensor], limit: float) -> dict
         if tensor is None or not tensor.is_floating_point() or tensor.numel() == 0:
             continue
         if t.full_name is None:
-            peaks[t.name] = float(tensor.abs().max())
+            peaks[t.name] = float((tensor.double() - global_tensors[t.name].double()).abs().max())
         elif t.role.endswith("_u"):
             v_name = pair_v(t.name)
             u, v = tensor.double(), tensors[v_name].double()
+            g = global_tensors[t.full_name].double()
             bound = float(torch.linalg.vector_norm(u, dim=1).max() * torch.linalg.vector_norm(v, dim=0).max())
+            bound += float(g.abs().max())
             if bound <= limit:
                 peaks[t.full_name] = bound
             else:
                 pair = spec.to_full({t.name: u, v_name: v})  # float64: the exact magnitude, even past float32's range
-                peaks[t.full_name] = float(pair[t.full_name].abs().max())
+                peaks[t.full_name] = float((pair[t.full_name] - g).abs().max())
     return peaks
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -41,6 +41,9 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 1 << 20
+#: Dimensions a tensor may declare: numpy holds at most 64, and no layer has more than a handful.
+MAX_DIMS = 32
+_MAX_ARRAY_BYTES = int(np.iinfo(np.intp).max)
 
 # Wire name → little-endian numpy dtype. The names are torch's (``str(t.dtype)`` minus ``torch.``).
 DTYPES: dict[str, np.dtype[Any]] = {
@@ -179,8 +182,13 @@ def _check_header(name: str, dtype: str, shape: tuple[int, ...] | list[int]) -> 
         dims = tuple(int(s) for s in shape)
     except (TypeError, ValueError) as exc:
         raise CodecError(name, f"invalid shape {shape!r}", "bad_shape") from exc
+    if len(dims) > MAX_DIMS:
+        raise CodecError(name, f"invalid shape: {len(dims)} dimensions, at most {MAX_DIMS}", "bad_shape")
     if any(d < 0 for d in dims):
         raise CodecError(name, f"invalid shape {_fmt_shape(dims)}: negative dimension", "bad_shape")
+    # an array of these dimensions must be addressable even where one of them is 0 (numpy checks the rest)
+    if math.prod(max(d, 1) for d in dims) * DTYPES[dtype].itemsize > _MAX_ARRAY_BYTES:
+        raise CodecError(name, f"invalid shape {_fmt_shape(dims)}: no array is this large", "bad_shape")
     return dims, math.prod(dims) * DTYPES[dtype].itemsize
 
 
@@ -289,7 +297,9 @@ class Reassembler:
     the first offending chunk, before more bytes are buffered. A chunk carries at most
     ``CHUNK_BYTES`` (the wire's rule; larger ones are ``too_large``). ``max_total_bytes`` bounds the
     memory one message may take; it is checked against each tensor's declared size when the
-    tensor starts, so an oversized message is refused before its bytes arrive.
+    tensor starts, so an oversized message is refused before its bytes arrive. ``accepted`` names the
+    tensors it may carry, refused at their first chunk otherwise: an empty tensor costs no payload
+    byte, but its header costs memory, so the number of names must be bounded too.
 
     With ``spool`` (a file opened for reading and writing), chunks are written to that file as they
     arrive and read back only by :meth:`finish`: receiving a message then holds one chunk in
@@ -297,8 +307,11 @@ class Reassembler:
     one at a time (page cache is not the process's memory).
     """
 
-    def __init__(self, max_total_bytes: int | None = None, spool: BinaryIO | None = None) -> None:
+    def __init__(
+        self, max_total_bytes: int | None = None, spool: BinaryIO | None = None, accepted: Collection[str] | None = None
+    ) -> None:
         self.max_total_bytes = max_total_bytes
+        self.accepted = accepted
         self._spool = spool.fileno() if spool is not None else None
         self._spool_end = 0
         self._done: dict[str, _Partial] = {}
@@ -366,6 +379,8 @@ class Reassembler:
             self._current = None
         if chunk.name in self._done:
             raise CodecError(chunk.name, "duplicate: tensor sent twice in one message", "duplicate")
+        if self.accepted is not None and chunk.name not in self.accepted:
+            raise CodecError(chunk.name, "unknown tensor: the model has none of this name", "unknown_tensor")
         dims, size = _check_header(chunk.name, chunk.dtype, chunk.shape)
         if chunk.total_bytes != size:
             kind = "truncated" if chunk.total_bytes < size else "oversized"

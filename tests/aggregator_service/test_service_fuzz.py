@@ -229,6 +229,7 @@ def test_known_undecodable_requests_are_invalid_argument(live, method, payload) 
                 profile=pb.CapabilityProfile(device_name="d" * 3_000_000, num_samples=5), enrollment_secret=SECRET
             ),
         ),
+        ("Register", pb.RegisterRequest(profile=pb.CapabilityProfile(num_samples=-7), enrollment_secret=SECRET)),
         ("ReportEvaluation", pb.EvaluationReport(round=2**63 - 1, global_accuracy=0.5, global_loss=1.0, num_samples=1)),
         ("PushUpdate", [pb.PushMessage(header=pb.PushHeader(round=2**63 - 1, update_id="u", num_samples=1))]),
         (
@@ -243,4 +244,56 @@ def test_nul_bytes_huge_names_and_huge_rounds_are_invalid_argument(live, method,
     before = _rows(svc.url)
     code = _call(svc, method, payload, client.auth, stream=method == "PushUpdate")
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert _rows(svc.url) == before
+
+
+def _header() -> pb.PushMessage:
+    return pb.PushMessage(header=pb.PushHeader(round=1, update_id="u-shape", num_samples=1))
+
+
+def _chunk(name: str, shape: list[int], nbytes: int = 0) -> pb.PushMessage:
+    data = b"\0" * nbytes
+    return pb.PushMessage(
+        chunk=pb.TensorChunk(
+            name=name, dtype="float32", shape=shape, total_bytes=nbytes, data=data, kind=pb.TENSOR_KIND_MODEL
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape", "nbytes", "said"),
+    [
+        ([1] * 65, 4, "65 dimensions, at most 32"),  # numpy holds 64: its reshape raised ValueError (INTERNAL)
+        ([1] * 33, 4, "33 dimensions, at most 32"),
+        ([2**62, 2**62, 0], 0, "no array is this large"),  # 0 bytes, but numpy refuses the shape
+        ([0, 2**63 - 1, 2**63 - 1], 0, "no array is this large"),
+        ([2**40, 2**40], 0, "no array is this large"),
+    ],
+    ids=["65-dims", "33-dims", "huge-with-zero", "max-with-zero", "huge"],
+)
+def test_a_shape_no_array_can_have_is_invalid_argument(live, shape, nbytes, said) -> None:
+    svc, client = live
+    before = _rows(svc.url)
+    with pytest.raises(grpc.RpcError) as info:
+        svc.channel.stream_unary("/fedatoms.v1.Aggregator/PushUpdate")(
+            iter([m.SerializeToString() for m in (_header(), _chunk("conv1.atoms", shape, nbytes))]),
+            metadata=client.auth,
+            timeout=60,
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert said in info.value.details()
+    assert _rows(svc.url) == before
+
+
+def test_a_push_names_only_tensors_of_the_model(live) -> None:
+    """Empty tensors cost no payload byte: 5,000 of them under distinct names held their headers in memory."""
+    svc, client = live
+    before = _rows(svc.url)
+    messages = [_header(), *(_chunk(f"empty.{i}", [0]) for i in range(5000))]
+    with pytest.raises(grpc.RpcError) as info:
+        svc.channel.stream_unary("/fedatoms.v1.Aggregator/PushUpdate")(
+            iter([m.SerializeToString() for m in messages]), metadata=client.auth, timeout=60
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert info.value.details().startswith("tensor 'empty.0': unknown tensor"), info.value.details()
     assert _rows(svc.url) == before

@@ -108,3 +108,38 @@ def test_clip_mode_leaves_an_update_within_the_bound_as_it_is(start_service, req
     assert float(torch.linalg.vector_norm(after.double() - start[NAME].double())) == pytest.approx(
         0.5 * BOUND, rel=1e-5
     )
+
+
+def _shifted(url: str, by: float) -> dict[str, torch.Tensor]:
+    """The global model (read from the store) with every floating-point value moved by ``by``."""
+    return {n: t + by if t.is_floating_point() else t for n, (t, _v) in global_tensors(url).items()}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_the_magnitude_bound_limits_the_change_so_a_model_past_it_still_learns(start_service, request, backend) -> None:
+    """max_update_value = 1: two rounds of updates that each move every value by 0.9 carry the model past 1
+    (values near 1.8); an update that then moves nothing is taken, one that moves a value by 1.1 is refused.
+    A bound on the values themselves would refuse every update from there on: the federation would stop."""
+    svc = start_service(request.getfixturevalue(f"{backend}_url"), _plain(), max_update_value=1.0)
+    data = shards(2)
+    a, b = register(svc.stub, 1.0, data[0]), register(svc.stub, 1.0, data[1])
+    for round_ in (1, 2):
+        assert a.task().train.round == round_
+        assert a.push(round_, _shifted(svc.url, 0.9)).accepted
+        assert b.push(round_, _shifted(svc.url, 0.9)).accepted
+    assert a.task().train.round == 3
+    peak = max(float(t.abs().max()) for t, _v in global_tensors(svc.url).values() if t.is_floating_point())
+    assert peak > 1.7  # the initial weights are under 0.5 in magnitude
+    before = snapshot(svc.url)
+    over = _shifted(svc.url, 0.0)
+    over[NAME] = over[NAME].clone()
+    over[NAME][3] += 1.1
+    with pytest.raises(grpc.RpcError) as err:
+        a.push(3, over)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"'{NAME}'" in err.value.details() and "max_update_value = 1" in err.value.details()
+    assert snapshot(svc.url) == before
+    start = global_tensors(svc.url)[NAME][0].double()
+    assert a.push(3, _shifted(svc.url, 0.0)).accepted
+    assert b.push(3, _shifted(svc.url, -0.5)).accepted  # the last round (of 3) closes: equal weights
+    assert torch.allclose(global_tensors(svc.url)[NAME][0].double(), start - 0.25, atol=1e-6)
