@@ -13,9 +13,10 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Self
 
+from pydantic import ValidationError
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource
 
-__all__ = ["TomlSettings"]
+__all__ = ["TomlSettings", "explain"]
 
 # pydantic builds the sources inside the constructor, which takes no file argument: from_toml
 # hands the file's values over here, per thread and task, for exactly one construction
@@ -59,3 +60,17 @@ class TomlSettings(BaseSettings):
             return cls(**{k: v for k, v in overrides.items() if v is not None})
         finally:
             _TOML_VALUES.reset(token)
+
+
+def explain(exc: ValidationError) -> str:
+    """Each refused key and why, in one line: pydantic's own text spans lines and ends in a link to its docs."""
+    parts = []
+    for error in exc.errors():
+        key = ".".join(str(p) for p in error["loc"])
+        message = str(error["msg"]).removeprefix("Value error, ")
+        given = error.get("input")
+        shown = repr(given)
+        if not isinstance(given, dict | list) and len(shown) <= 80 and error["type"] != "value_error":
+            message += f" (got {shown})"
+        parts.append(f"{key}: {message}" if key else message)
+    return "; ".join(parts)

@@ -451,13 +451,12 @@ class Agent:
                 stop.wait(delay)
             return EXIT_CODES["interrupted"]
         except Unauthenticated as exc:
-            log.error(
-                "event=unauthenticated detail=%s hint=%s",
-                json.dumps(str(exc)),
-                json.dumps(
-                    "the operator revoked this client or the server forgot it; delete the state dir to enroll anew"
-                ),
+            hint = (
+                "check --enrollment-secret: the federation's operator gives it"
+                if "enrollment secret" in str(exc)
+                else "the operator revoked this client or the server forgot it; delete the state dir to enroll anew"
             )
+            log.error("event=unauthenticated detail=%s hint=%s", json.dumps(str(exc)), json.dumps(hint))
             return EXIT_CODES["unauthenticated"]
         except TrainingDiverged as exc:
             log.error("event=diverged detail=%s", json.dumps(str(exc)))

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS
 from client_agent.state import ClientState
 from client_agent.update import ClientEvaluation, ClientPush, TrainTask, evaluate_client, run_task
 from fedcore.codec import decode, encode
@@ -224,6 +225,8 @@ class WorkerJob:
     torch_threads: int = 1
     eval_poll_seconds: float = 0.02  # how often one watcher per process asks whether a round closed
     keep_state: bool = True  # False: the state root is a temporary directory, never resumed from
+    # model code the agents may import: the simulation's own model, which its user named (allowed_models.py)
+    allowed_models: tuple[str, ...] = DEFAULT_ALLOWED_MODELS
 
 
 def state_dir(root: str | Path, index: int) -> Path:
@@ -238,6 +241,7 @@ def register_all(
     state_root: str | Path,
     tls_ca: str | None = None,
     keep_state: bool = True,
+    allowed_models: Sequence[str] = DEFAULT_ALLOWED_MODELS,
 ) -> list[str]:
     """Register the virtual clients one by one, in index order, so their registration order is their index.
 
@@ -261,6 +265,7 @@ def register_all(
                 enrollment_secret=enrollment_secret,
                 name=client_key(i),
                 keep_state=keep_state,
+                allowed_models=tuple(allowed_models),
             )
             ids.append(agent.ensure_registered().client_id)
     return ids
@@ -295,6 +300,7 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
             keep_state=job.keep_state,
             round_watch=watch,
             defer_evaluation=True,
+            allowed_models=job.allowed_models,
         )
         agent.ensure_registered()
         agents[i] = agent
@@ -341,6 +347,7 @@ def run_grpc_pool(
     eval_poll_seconds: float = 0.02,
     torch_threads: int = 1,
     keep_state: bool = True,
+    allowed_models: Sequence[str] = DEFAULT_ALLOWED_MODELS,
 ) -> dict[str, int]:
     """Run every virtual client through ``workers`` processes until the federation is done.
 
@@ -360,6 +367,7 @@ def run_grpc_pool(
             torch_threads,
             eval_poll_seconds,
             keep_state,
+            tuple(allowed_models),
         )
         for w in range(workers)
     ]

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS
 from client_agent.pool import (
     InProcessPush,
     Moved,
@@ -256,6 +257,7 @@ def run_ray_grpc_pool(
     torch_threads: int = 1,
     keep_state: bool = True,
     max_replacements: int = 3,
+    allowed_models: Sequence[str] = DEFAULT_ALLOWED_MODELS,
 ) -> dict[str, int]:
     """:func:`client_agent.pool.run_grpc_pool` on Ray: each actor runs its slot's clients as real agents.
 
@@ -277,7 +279,10 @@ def run_ray_grpc_pool(
 
     def submit(s: int) -> Any:
         slot = hosts.slots[s]
-        job = WorkerJob(target, population, slot.indices, root, tls_ca, torch_threads, eval_poll_seconds, keep_state)
+        job = WorkerJob(
+            target, population, slot.indices, root, tls_ca, torch_threads, eval_poll_seconds, keep_state,
+            tuple(allowed_models),
+        )  # fmt: skip
         creds = {i: Credentials.load(state_dir(state_root, i)) for i in slot.indices}
         return hosts.actors[s].run_agents.remote(job, creds)
 

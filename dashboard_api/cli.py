@@ -41,12 +41,14 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
     from pydantic import ValidationError
 
+    from aggregator_service.toml_settings import explain
+
     from .app import create_app
 
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
-        raise ValueError(f"invalid dashboard settings: {exc}") from exc
+        raise ValueError(f"invalid dashboard settings: {explain(exc)}") from exc
     host, port = settings.host_port
     print(f"fedatoms dashboard: http://{host}:{port}/ over {_redacted(settings.database_url)}", flush=True)
     if settings.admin_token is None:

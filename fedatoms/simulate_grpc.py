@@ -24,8 +24,10 @@ from sqlalchemy.orm import Session
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
+from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS
 from client_agent.pool import register_all, run_grpc_pool
 from fedatoms.records import CATEGORY_TOTALS, TOTALS, accumulate, mean_or_none, summarize
+from fedcore.reference import is_zoo
 
 __all__ = ["federation_config", "records_from_store", "run_grpc_simulation"]
 
@@ -59,110 +61,107 @@ def run_grpc_simulation(
     started = time.perf_counter()
     root = Path(state_dir or tempfile.mkdtemp(prefix="fedatoms-sim-"))
     temporary = state_dir is None  # made here: removed at the end with what it holds (a run leaves ~80 MB)
-    owned = None
-    if server is None:
-        if database_url is None:
-            database_url = f"sqlite:///{root / 'aggregator.db'}"  # inside the root: kept or removed with it
-        enrollment_secret = enrollment_secret or secrets.token_urlsafe(16)
-        settings = AggregatorSettings(
-            listen="127.0.0.1:0",
-            database_url=database_url,
-            federation_name=federation_name,
-            enrollment_secret=enrollment_secret,
-            deadline_seconds=3600.0,  # a simulated client is never late: its worker may just be busy
-            heartbeat_timeout_seconds=3600.0,
-            poll_interval_seconds=0.05,
-            eval_data=config.data or config.dataset,
-            eval_data_dir=config.data_dir,
-            federation=federation_config(config),
-        )
-        owned = _start_aggregator(settings)
-        target = f"127.0.0.1:{owned[1]}"
-        say(f"aggregator: {target}, database {database_url}")
-    else:
-        if database_url is None:
-            raise ValueError("with --server, give --database-url of that aggregator's database to read the record from")
-        if not enrollment_secret:
-            raise ValueError("with --server, give the federation's --enrollment-secret")
-        target = server
-    say(f"client state: {root}")
-    pop = config.population()
-    seen: set[int] = set()
-    faults: dict[int, list[dict[str, Any]]] = {}
-
-    reader = store.create_engine_for(database_url, sqlite_begin="DEFERRED")  # reads: never wait for the aggregator
-
-    def poll() -> None:
-        """Report rounds closed since the last poll (twice a second; one cheap read when none did)."""
-        if progress is None or _last_closed(reader, federation_name) <= max(seen, default=0):
-            return
-        for record in records_from_store(reader, federation_name, after=max(seen, default=0)):
-            if record["round"] not in seen:
-                seen.add(record["round"])
-                progress(record)
-
     try:
-        keep_state = state_dir is not None  # a temporary root is never resumed from: spare the writes
-        ids = register_all(target, pop, pop.build(fit=()), enrollment_secret, root, tls_ca, keep_state)
-        if config.engine == "ray":
-            from client_agent.ray_pool import run_ray_grpc_pool
-
-            def replaced(indices: Any) -> None:  # agents restarted: the open round's record says so
-                open_round = _last_closed(reader, federation_name) + 1
-                faults.setdefault(open_round, []).extend(
-                    {"client": ids[i], "phase": "agent", "outcome": "retried", "cause": "actor died"} for i in indices
-                )
-
-            run_ray_grpc_pool(
-                target,
-                pop,
-                root,
-                resources=config.resources,
-                tls_ca=tls_ca,
-                poll=poll,
-                on_replaced=replaced,
-                torch_threads=config.threads,
-                keep_state=keep_state,
+        owned = None
+        if server is None:
+            if database_url is None:
+                database_url = f"sqlite:///{root / 'aggregator.db'}"  # inside the root: kept or removed with it
+            enrollment_secret = enrollment_secret or secrets.token_urlsafe(16)
+            settings = AggregatorSettings(
+                listen="127.0.0.1:0",
+                database_url=database_url,
+                federation_name=federation_name,
+                enrollment_secret=enrollment_secret,
+                deadline_seconds=3600.0,  # a simulated client is never late: its worker may just be busy
+                heartbeat_timeout_seconds=3600.0,
+                poll_interval_seconds=0.05,
+                eval_data=config.data or config.dataset,
+                eval_data_dir=config.data_dir,
+                federation=federation_config(config),
             )
+            owned = _start_aggregator(settings)
+            target = f"127.0.0.1:{owned[1]}"
+            say(f"aggregator: {target}, database {database_url}")
         else:
-            run_grpc_pool(
-                target,
-                pop,
-                root,
-                workers=workers or 2,
-                tls_ca=tls_ca,
-                poll=poll,
-                torch_threads=config.threads,
-                keep_state=keep_state,
+            if database_url is None:
+                raise ValueError(
+                    "with --server, give --database-url of that aggregator's database to read the record from"
+                )
+            if not enrollment_secret:
+                raise ValueError("with --server, give the federation's --enrollment-secret")
+            target = server
+        say(f"client state: {root}")
+        pop = config.population()
+        seen: set[int] = set()
+        faults: dict[int, list[dict[str, Any]]] = {}
+
+        reader = store.create_engine_for(database_url, sqlite_begin="DEFERRED")  # reads: never wait for the aggregator
+
+        def poll() -> None:
+            """Report rounds closed since the last poll (twice a second; one cheap read when none did)."""
+            if progress is None or _last_closed(reader, federation_name) <= max(seen, default=0):
+                return
+            for record in records_from_store(reader, federation_name, after=max(seen, default=0)):
+                if record["round"] not in seen:
+                    seen.add(record["round"])
+                    progress(record)
+
+        try:
+            keep_state = state_dir is not None  # a temporary root is never resumed from: spare the writes
+            # the agents import the model this command names: its user chose that code
+            allowed = DEFAULT_ALLOWED_MODELS if is_zoo(config.model) else (*DEFAULT_ALLOWED_MODELS, config.model)
+            ids = register_all(
+                target, pop, pop.build(fit=()), enrollment_secret, root, tls_ca, keep_state, allowed_models=allowed
             )
-    finally:
-        reader.dispose()
+            # how every pool runs the agents
+            agents: dict[str, Any] = dict(
+                tls_ca=tls_ca, poll=poll, torch_threads=config.threads, keep_state=keep_state, allowed_models=allowed
+            )
+            if config.engine == "ray":
+                from client_agent.ray_pool import run_ray_grpc_pool
+
+                def replaced(indices: Any) -> None:  # agents restarted: the open round's record says so
+                    open_round = _last_closed(reader, federation_name) + 1
+                    faults.setdefault(open_round, []).extend(
+                        {"client": ids[i], "phase": "agent", "outcome": "retried", "cause": "actor died"}
+                        for i in indices
+                    )
+
+                run_ray_grpc_pool(target, pop, root, resources=config.resources, on_replaced=replaced, **agents)
+            else:
+                run_grpc_pool(target, pop, root, workers=workers or 2, **agents)
+        finally:
+            reader.dispose()
+            if owned is not None:
+                owned[0].stop(grace=5).wait()
+                owned[2].stop()
+                owned[2].join(timeout=10)
         if owned is not None:
-            owned[0].stop(grace=5).wait()
-            owned[2].stop()
-            owned[2].join(timeout=10)
-    if owned is not None:
-        owned[2].coordinator.flush()  # the last download counts, before the record is read
-    records = records_from_store(database_url, federation_name)
-    if not records:
-        raise RuntimeError(f"no round closed in {database_url}")
-    for r in records:
-        if faults.get(r["round"]):
-            r["faults"] = faults[r["round"]]
-    for r in records:
-        if r["round"] not in seen and progress is not None:
-            progress(r)
-    totals = {k: records[-1][f"cumulative_{k}"] for k in TOTALS}
-    summary = summarize(records, totals, time.perf_counter() - started)
-    out = config.to_dict()
-    if temporary:
-        shutil.rmtree(root)
-        held = "client state, database" if _inside(database_url, root) else "client state"
-        say(f"removed the temporary directory {root} ({held})")
-    else:
-        say(f"kept: client state in {root}")
-    if not _inside(database_url, root) or not temporary:
-        say(f"kept: the database {database_url}")
+            owned[2].coordinator.flush()  # the last download counts, before the record is read
+        records = records_from_store(database_url, federation_name)
+        if not records:
+            raise RuntimeError(f"no round closed in {database_url}")
+        for r in records:
+            if faults.get(r["round"]):
+                r["faults"] = faults[r["round"]]
+        for r in records:
+            if r["round"] not in seen and progress is not None:
+                progress(r)
+        totals = {k: records[-1][f"cumulative_{k}"] for k in TOTALS}
+        summary = summarize(records, totals, time.perf_counter() - started)
+        out = config.to_dict()
+        if temporary:
+            shutil.rmtree(root)
+            held = "client state, database" if _inside(database_url, root) else "client state"
+            say(f"removed the temporary directory {root} ({held})")
+        else:
+            say(f"kept: client state in {root}")
+        if not _inside(database_url, root) or not temporary:
+            say(f"kept: the database {database_url}")
+    except BaseException:
+        if temporary:  # a failed run leaves nothing behind either
+            shutil.rmtree(root, ignore_errors=True)
+        raise
     return {"config": out, "rounds": records, "summary": summary}
 
 

@@ -193,7 +193,15 @@ def labels_of(data: Any) -> np.ndarray:
 
 
 def check_labels(data: Any, num_classes: int) -> None:
-    """Labels the model cannot predict fail here, in words, instead of mid-training in cross-entropy."""
+    """Labels the model cannot predict fail here, in words, instead of mid-training in cross-entropy; and a
+    folder of named classes that lacks some, whose labels (numbered in sorted order) would silently shift."""
+    named = _class_to_idx(data)
+    if named and not all(name.isdigit() for name in named) and len(named) != num_classes:
+        raise ValueError(
+            f"the data has {len(named)} class folders ({', '.join(sorted(named))}) but the model has {num_classes} "
+            "classes: named folders are numbered in sorted order, so every device needs the same class folders "
+            f"(empty ones allowed), or folders named 0..{num_classes - 1}"
+        )
     y = known_labels(data)
     if y is None or not len(y):
         return
@@ -203,6 +211,13 @@ def check_labels(data: Any, num_classes: int) -> None:
             f"the data has labels {low}..{high} but the model has {num_classes} classes: an ImageFolder needs the "
             f"same class folders on every device (empty ones allowed), or folders named 0..{num_classes - 1}"
         )
+
+
+def _class_to_idx(data: Any) -> dict[str, int] | None:
+    """An ImageFolder's class map under the subsets and fitting wrappers (``base``) around it."""
+    while isinstance(data, Subset) or hasattr(data, "base"):
+        data = data.dataset if isinstance(data, Subset) else data.base
+    return getattr(data, "class_to_idx", None)
 
 
 def num_classes_of(data: Any) -> int:

@@ -121,7 +121,7 @@ def _image_folder(path: Path, class_to_idx: dict[str, int] | None = None) -> Any
             raise DataSourceError(f"{path}: classes {unknown} are not in the training folder")
 
     try:
-        folder = ImageFolder(str(path), allow_empty=True)
+        folder = ImageFolder(str(path), loader=_load_image, allow_empty=True)
     except (FileNotFoundError, OSError) as exc:
         raise DataSourceError(f"{path}: {exc}") from None
     # torchvision numbers the folders it found in sorted order; relabel by the map above (a plain
@@ -136,6 +136,16 @@ def _image_folder(path: Path, class_to_idx: dict[str, int] | None = None) -> Any
     if len(folder) == 0:
         raise DataSourceError(f"{path}: no images (.png, .jpg, …) in its class subfolders")
     return folder
+
+
+def _load_image(path: str) -> Any:
+    """torchvision's loader; a file it cannot read (truncated, corrupt, not an image) is the data's error, named."""
+    from torchvision.datasets.folder import default_loader
+
+    try:
+        return default_loader(path)
+    except (OSError, SyntaxError, ValueError) as exc:  # PIL's UnidentifiedImageError and truncation are OSErrors
+        raise DataSourceError(f"{path}: cannot read this image ({exc}); fix or remove it") from None
 
 
 def _holdout(data: Any) -> tuple[Dataset, Dataset]:

@@ -191,7 +191,8 @@ def _check_outputs(spec: ModelSpec, net: nn.Module) -> None:
     if isinstance(out, Tensor) and tuple(out.shape) != (1, spec.num_classes):
         raise ValueError(
             f"model {spec.model!r} gives outputs of shape {list(out.shape[1:])} per sample, not {spec.num_classes} "
-            "class scores: set num_classes in [federation.model_args] (or the model's own argument for it)"
+            "class scores: pass num_classes in the model's arguments (model_args: [federation.model_args] of a "
+            "federation file, --model-args of simulate)"
         )
 
 
@@ -234,8 +235,8 @@ class ModelSpec:
         shape = self.input_shape if self.input_shape is not None else zoo_shape
         if shape is None:
             raise ValueError(
-                f"model {self.model!r} needs the shape of one input sample: set input_shape = [3, 32, 32] "
-                "(channels, height, width) in [federation]"
+                f"model {self.model!r} needs the shape of one input sample (channels, height, width): "
+                "input_shape = [3, 32, 32] in a federation file's [federation], --input-shape 3,32,32 for simulate"
             )
         shape = tuple(int(d) for d in shape)
         if len(shape) < 1 or any(d < 1 for d in shape):

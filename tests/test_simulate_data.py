@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,8 @@ from image_folders import write_folder
 from fedatoms.simulate import SimulationConfig, run_simulation
 from fedcore.data import labels_of
 from fedcore.datasource import open_data
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +104,61 @@ def test_a_batchnorm_model_learns_over_grpc_in_eval_mode(three_digits: Path, tmp
     best_running = max(r["test_accuracy"] for r in running["rounds"])
     assert best_precise >= 0.7, best_precise
     assert best_running < best_precise - 0.25, (best_running, best_precise)
+
+
+USER_NET = '''
+from torch import nn
+
+
+def build(num_classes=10):
+    """The user's own: a conv with BatchNorm, then a linear head (12x12 RGB pictures)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 10 * 10, num_classes)
+    )
+'''
+
+
+def test_simulate_over_grpc_runs_the_users_own_model_and_leaves_no_temporary_directory(
+    folder: Path, tmp_path: Path
+) -> None:
+    """The agents the simulation starts import the model its command names (it is the user's code, not a
+    server's choice), and the run's temporary directory is gone afterwards."""
+    (tmp_path / "user_net.py").write_text(USER_NET)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    cmd = [
+        sys.executable, "-m", "fedatoms", "simulate", "--transport", "grpc", "--data", str(folder),
+        "--model", "user_net:build", "--input-shape", "3,12,12", "--clients", "2", "--fraction", "1",
+        "--rounds", "1", "--partition", "iid", "--output", str(tmp_path / "out.json"),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "TMPDIR": str(scratch)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "out.json").read_text())["rounds"][0]["round"] == 1
+    assert not list(scratch.glob("fedatoms-sim-*"))
+
+
+def test_a_failed_simulation_over_grpc_removes_its_temporary_directory(
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fedatoms.simulate_grpc import run_grpc_simulation
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    config = SimulationConfig(data=str(folder), model="digits-cnn", clients=2, rounds=1, transport="grpc")
+    with pytest.raises(Exception, match=r"127\.0\.0\.1"):  # no database answers there: the aggregator cannot start
+        run_grpc_simulation(config, database_url="postgresql+psycopg://nobody@127.0.0.1:9/none")
+    assert not list(tmp_path.glob("fedatoms-sim-*"))
+
+
+def test_an_unreadable_image_is_named_in_one_line(tmp_path: Path) -> None:
+    pictures = write_folder(tmp_path / "pictures", channels=3, size=12, count=60)
+    good = next((pictures / "3").glob("*.png"))
+    broken = pictures / "3" / "truncated.png"
+    broken.write_bytes(good.read_bytes()[:100])  # a PNG cut short, as a failed copy leaves it
+    cmd = [sys.executable, "-m", "fedatoms", "simulate", "--data", str(pictures), "--model", "digits-cnn",
+           "--clients", "2", "--partition", "iid", "--rounds", "1", "--output", str(tmp_path / "out.json")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{broken}: cannot read this image" in errors[0]

@@ -33,11 +33,12 @@ def cmd_aggregator_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from aggregator_service.server import serve
+    from aggregator_service.toml_settings import explain
 
     try:
         settings = _settings(args)
     except ValidationError as exc:
-        raise ValueError(f"invalid aggregator settings: {exc}") from exc
+        raise ValueError(f"invalid aggregator settings: {explain(exc)}") from exc
     return serve(settings)
 
 

@@ -357,3 +357,31 @@ def test_wrong_tls_files_are_named_not_taken_for_a_port_in_use(pki: Path, tmp_pa
     assert says in last and "port in use" not in done.stderr, last
     named = next(pki / name for key, name in files.items() if key in last.split(" ", 3)[2])
     assert str(named) in last, last
+
+
+@pytest.mark.parametrize(
+    ("lines", "said"),
+    [
+        (
+            "deadline_seconds = -1\n",
+            "invalid aggregator settings: deadline_seconds: Input should be greater than 0 (got -1)",
+        ),
+        ('listen = "0.0.0.0:0"\n', "invalid aggregator settings: refusing to serve without TLS on 0.0.0.0:0"),
+    ],
+    ids=["a-key", "the-settings"],
+)
+def test_invalid_settings_are_one_line_per_refused_key(tmp_path: Path, lines: str, said: str) -> None:
+    """pydantic's own text spans four lines and ends in a link to its docs; the operator gets the key and why."""
+    import sys
+
+    config = tmp_path / "aggregator.toml"
+    config.write_text(lines + f'database_url = "sqlite:///{tmp_path / "agg.db"}"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "fedatoms", "aggregator", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr
+    assert said in done.stderr and "pydantic" not in done.stderr, done.stderr

@@ -258,6 +258,7 @@ def test_wrong_enrollment_secret_exits_3_with_a_clear_message(tmp_path: Path) ->
         server.stop()
     assert done.returncode == 3, done.stderr
     assert "wrong enrollment secret" in done.stderr and "refused this client" in done.stderr
+    assert "check --enrollment-secret" in done.stderr and "delete the state dir" not in done.stderr
     assert not (tmp_path / "d" / CREDENTIALS_FILE).exists()
 
 

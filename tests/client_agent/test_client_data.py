@@ -168,3 +168,22 @@ def test_bad_data_is_refused_in_one_line_and_registers_nothing(
     assert code == 2
     assert needle in err and len(err.strip().splitlines()) == 1, err
     assert _registered(aggregator.url) == 0
+
+
+def test_a_device_without_some_named_class_folders_is_refused(aggregator, tmp_path: Path, capsys) -> None:
+    """Named folders are numbered in sorted order: a device holding only digit-3 and digit-7 would train them
+    as classes 0 and 1. Numbered folders (0..9) keep their labels, so a subset of those is a device's right."""
+    pictures = write_folder(tmp_path / "named", channels=1, size=8, count=200, classes="named")
+    for folder in pictures.iterdir():
+        if folder.name not in ("digit-3", "digit-7"):
+            for png in folder.iterdir():
+                png.unlink()
+            folder.rmdir()
+    argv = ["client", "run", "--server", aggregator.target, "--enrollment-secret", SECRET]
+    argv += ["--data", str(pictures), "--state-dir", str(tmp_path / "state")]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("fedatoms: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert "2 class folders (digit-3, digit-7) but the model has 10 classes" in errors[0]
