@@ -326,6 +326,14 @@ def test_client_run_without_tls_ca_against_a_tls_server_says_it_speaks_tls(
     assert snapshot(sqlite_url)["clients"] == []  # nothing registered
 
 
+def _serve(config: Path) -> subprocess.CompletedProcess[str]:
+    """`fedatoms aggregator serve --config CONFIG`, expected to stop at once (exit 2)."""
+    import sys
+
+    cmd = [sys.executable, "-m", "fedatoms", "aggregator", "serve", "--config", str(config)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
 @pytest.mark.parametrize(
     ("files", "says"),
     [
@@ -338,20 +346,13 @@ def test_client_run_without_tls_ca_against_a_tls_server_says_it_speaks_tls(
 def test_wrong_tls_files_are_named_not_taken_for_a_port_in_use(pki: Path, tmp_path: Path, files, says) -> None:
     """A key of another certificate, or a file that is not PEM, stops `aggregator serve` with exit 2 and a line
     naming the file and what is wrong with it (gRPC alone only fails to bind, which reads as a port in use)."""
-    import sys
-
     (pki / "notes.txt").write_text("not a certificate\n")
     config = tmp_path / "aggregator.toml"
     config.write_text(
         f'listen = "127.0.0.1:0"\ndatabase_url = "sqlite:///{tmp_path / "agg.db"}"\n'
         + "".join(f'{key} = "{pki / name}"\n' for key, name in files.items())
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "fedatoms", "aggregator", "serve", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _serve(config)
     assert done.returncode == 2, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert says in last and "port in use" not in done.stderr, last
@@ -372,16 +373,9 @@ def test_wrong_tls_files_are_named_not_taken_for_a_port_in_use(pki: Path, tmp_pa
 )
 def test_invalid_settings_are_one_line_per_refused_key(tmp_path: Path, lines: str, said: str) -> None:
     """pydantic's own text spans four lines and ends in a link to its docs; the operator gets the key and why."""
-    import sys
-
     config = tmp_path / "aggregator.toml"
     config.write_text(lines + f'database_url = "sqlite:///{tmp_path / "agg.db"}"\n')
-    done = subprocess.run(
-        [sys.executable, "-m", "fedatoms", "aggregator", "serve", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _serve(config)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == [done.stderr.strip()], done.stderr
     assert said in done.stderr and "pydantic" not in done.stderr, done.stderr
