@@ -139,13 +139,20 @@ def evaluation_means(session: Session, fed_id: int, rounds: Sequence[int]) -> di
     return {int(r.round): {k: v for k, v in r._mapping.items() if k != "round"} for r in result}
 
 
-def _round_select() -> Select[store.Round, store.RoundMetrics]:
+def _round_select(fed_id: int) -> Select[Any]:
+    """Rounds with their metrics row and their bytes from ``transfers``, the one ledger that ``/bandwidth`` sums
+    too (the metrics row's byte columns are a snapshot at close, before the round's evaluation fetches)."""
     r, m = store.Round, store.RoundMetrics
-    return select(r, m).outerjoin(m, and_(m.federation_id == r.federation_id, m.round == r.number))
+    moved = _transfer_sums(fed_id)
+    return (
+        select(r, m, moved)
+        .outerjoin(m, and_(m.federation_id == r.federation_id, m.round == r.number))
+        .outerjoin(moved, moved.c.round == r.number)
+    )
 
 
-def _round_dict(rnd: store.Round, metrics: store.RoundMetrics | None, evals: dict[str, Any] | None) -> dict[str, Any]:
-    m = metrics
+def _round_dict(row: Any, evals: dict[str, Any] | None) -> dict[str, Any]:
+    rnd, m = row[0], row[1]
     evals = evals or {}
     mean_acc = evals.get("mean_client_accuracy")
     personal = evals.get("personalized_accuracy")
@@ -169,9 +176,9 @@ def _round_dict(rnd: store.Round, metrics: store.RoundMetrics | None, evals: dic
         "evaluations": int(evals.get("clients", 0)),
         "dispersion": m.dispersion if m else None,
         "latent_clients": m.latent_clients if m else None,
-        "bytes_down": m.bytes_down if m else None,
-        "bytes_up": m.bytes_up if m else None,
-        "fedavg_equivalent_bytes": m.fedavg_equivalent_bytes if m else None,
+        "bytes_down": int(row.bytes_down or 0),
+        "bytes_up": int(row.bytes_up or 0),
+        "fedavg_equivalent_bytes": int(row.fedavg_equivalent_bytes or 0),
     }
 
 
@@ -182,20 +189,24 @@ def round_page(
     total = int(session.scalar(select(func.count()).select_from(store.Round).where(*where)) or 0)
     number = store.Round.number
     rows = session.execute(
-        _round_select().where(*where).order_by(number.desc() if order == "desc" else number).offset(offset).limit(limit)
+        _round_select(fed_id)
+        .where(*where)
+        .order_by(number.desc() if order == "desc" else number)
+        .offset(offset)
+        .limit(limit)
     ).all()
-    evals = evaluation_means(session, fed_id, [r.number for r, _ in rows])
-    return total, [_round_dict(r, m, evals.get(r.number)) for r, m in rows]
+    evals = evaluation_means(session, fed_id, [row[0].number for row in rows])
+    return total, [_round_dict(row, evals.get(row[0].number)) for row in rows]
 
 
 def round_detail(session: Session, fed_id: int, number: int) -> dict[str, Any] | None:
     row = session.execute(
-        _round_select().where(store.Round.federation_id == fed_id, store.Round.number == number)
+        _round_select(fed_id).where(store.Round.federation_id == fed_id, store.Round.number == number)
     ).one_or_none()
     if row is None:
         return None
-    rnd, metrics = row
-    out = _round_dict(rnd, metrics, evaluation_means(session, fed_id, [number]).get(number))
+    rnd, metrics = row[0], row[1]
+    out = _round_dict(row, evaluation_means(session, fed_id, [number]).get(number))
     extra = (metrics.extra if metrics else None) or {}
     out.update(
         cohort=list(rnd.cohort or ()),

@@ -90,9 +90,9 @@ class RoundOut(BaseModel):
         "models lie from their aggregate; not the variance of the aggregated model across trainings (Prop. 5.1)"
     )
     latent_clients: int | None = Field(description="m² − m latent clients of the atom × coefficient product")
-    bytes_down: int | None
-    bytes_up: int | None
-    fedavg_equivalent_bytes: int | None
+    bytes_down: int = Field(description="moved to clients for this round so far: its fetches, evaluation ones too")
+    bytes_up: int = Field(description="pushed by clients in this round so far")
+    fedavg_equivalent_bytes: int = Field(description="what plain FedAvg would have moved for the same transfers")
 
 
 class RoundDetail(RoundOut):

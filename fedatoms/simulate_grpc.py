@@ -194,7 +194,9 @@ def _last_closed(engine: Engine, federation_name: str) -> int:
 def records_from_store(url: str | Engine, federation_name: str = "default", after: int = 0) -> list[dict[str, Any]]:
     """Closed rounds after round ``after`` as the simulator's per-round records (docs/simulation.md).
 
-    Rounds up to ``after`` are read only for the cumulative byte counts.
+    Rounds up to ``after`` are read only for the cumulative byte counts. Those count every round's
+    transfers, as the dashboard's do: an abandoned round has no record, but what it moved is in the
+    cumulative counts of the records after it.
     """
     own = not isinstance(url, Engine)
     engine = url if isinstance(url, Engine) else store.create_engine_for(url, sqlite_begin="DEFERRED")
@@ -217,8 +219,14 @@ def records_from_store(url: str | Engine, federation_name: str = "default", afte
                 .order_by(store.Round.number)
             ).all()
             moved = _transfers(s, fed.id)
+            closed = {rnd.number for rnd, _ in rows}
+            unrecorded = sorted(k for k in moved if k not in closed)  # abandoned rounds: bytes, no record
             for rnd, m in rows:
                 n = rnd.number
+                while unrecorded and unrecorded[0] < n:
+                    abandoned = moved[unrecorded.pop(0)]
+                    for key in TOTALS:
+                        totals[key] += abandoned[key]
                 bandwidth = moved.get(n, dict.fromkeys(TOTALS, 0))
                 if n <= after:
                     for key in TOTALS:

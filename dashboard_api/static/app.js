@@ -85,14 +85,16 @@
   // ---------------------------------------------------------------- fetching
 
   function stableAfter() {
-    // the highest round such that it and every round before it can no longer change
+    // the highest round such that it and every round before it can no longer change: a closed round still
+    // gains its clients' evaluations (reported with their next calls) and evaluation fetches, so the two
+    // newest closed rounds are fetched again, as fetchBandwidth does with its rows
     let after = 0;
     const numbers = [...state.rounds.keys()].sort((a, b) => a - b);
     for (const n of numbers) {
       if (n !== after + 1 || state.rounds.get(n).state === "open") break;
       after = n;
     }
-    return after;
+    return Math.max(0, after - 2);
   }
 
   async function fetchRounds() {

@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 from grpc_helpers import fill_keys, global_tensors, offline_round, register, shards, small_federation, snapshot
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from aggregator_service import store
 from aggregator_service.rounds import RoundPlan
@@ -187,3 +187,31 @@ def test_deadline_counts_a_push_that_committed_but_has_not_counted_itself(start_
         engine.dispose()
     assert {cid for cid, _ in rows} == {clients[0].client_id, clients[1].client_id}
     assert all(n > 0 for _, n in rows) and metrics_up == sum(n for _, n in rows)
+
+
+def test_an_abandoned_rounds_bytes_count_in_the_records_after_it(start_service, sqlite_url) -> None:
+    """Round 1 gets one push of two and is abandoned at its deadline; round 2 closes. The record has no round 1,
+    but its cumulative counts hold what round 1 moved, as the transfers table (and the dashboard) do."""
+    from fedatoms.simulate_grpc import records_from_store
+
+    svc = start_service(sqlite_url, small_federation(factorization="none", tiers=[1.0]), quorum=1.0)
+    data = shards(2)
+    a, b = register(svc.stub, 1.0, data[0]), register(svc.stub, 1.0, data[1])
+    assert a.round_trip()[0] == 1  # b fetches nothing, pushes nothing
+    deadline = svc.coordinator.shared.open.deadline
+    svc.coordinator.tick(deadline + timedelta(seconds=1))  # no quorum: extended once
+    svc.coordinator.tick(deadline + timedelta(seconds=svc.settings.deadline_seconds + 2))  # abandoned
+    assert a.round_trip()[0] == 2 and b.round_trip()[0] == 2
+    svc.coordinator.flush()
+    (record,) = records_from_store(sqlite_url)
+    assert record["round"] == 2
+    engine = store.create_engine_for(sqlite_url)
+    try:
+        with engine.connect() as conn:
+            t = store.Transfer
+            for direction in ("down", "up"):
+                moved = conn.scalar(select(func.sum(t.bytes)).where(t.direction == direction))
+                this_round = conn.scalar(select(func.sum(t.bytes)).where(t.direction == direction, t.round == 2))
+                assert record[f"cumulative_bytes_{direction}"] == moved > this_round == record[f"bytes_{direction}"]
+    finally:
+        engine.dispose()
