@@ -248,12 +248,13 @@ def register_all(
     Each declares its shard size and its tier as ``preferred_tier``; credentials land in its state dir.
     Clients that registered in an earlier run (credentials on disk) keep their identity.
     """
-    from client_agent.agent import Agent
-    from client_agent.transport import AggregatorClient
+    from client_agent.agent import CREDENTIALS_FILE, Agent
+    from client_agent.transport import AggregatorClient, Unauthenticated
 
     ids = []
     with AggregatorClient(target, tls_ca=Path(tls_ca) if tls_ca else None) as client:
         for i, vc in enumerate(clients):
+            resumed = (state_dir(state_root, i) / CREDENTIALS_FILE).exists()
             profile = CapabilityProfile(
                 device_name=f"virtual-{population.dataset}", num_samples=len(vc.train), preferred_tier=vc.state.tier
             )
@@ -268,6 +269,15 @@ def register_all(
                 allowed_models=tuple(allowed_models),
             )
             ids.append(agent.ensure_registered().client_id)
+            if resumed:  # credentials from an earlier run: the aggregator must still know them
+                try:
+                    client.heartbeat()
+                except Unauthenticated:
+                    raise ValueError(
+                        f"{state_dir(state_root, i)}: the aggregator at {target} does not know this client (its "
+                        "state is from another federation or database): give a new --state-dir, or the "
+                        "--database-url it was made with"
+                    ) from None
     return ids
 
 

@@ -162,3 +162,14 @@ def test_an_unreadable_image_is_named_in_one_line(tmp_path: Path) -> None:
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert f"{broken}: cannot read this image" in errors[0]
+
+
+def test_client_state_from_another_database_is_refused_in_one_line(tmp_path: Path) -> None:
+    """--state-dir kept from a run on another database holds tokens this aggregator never issued: the run
+    says so before any worker starts (it was a traceback from a worker's first GetTask)."""
+    keys = dict(model="digits-cnn", clients=2, fraction=1.0, partition="iid", rounds=1, transport="grpc")
+    state = str(tmp_path / "clients")
+    run_simulation(SimulationConfig(**keys), database_url=f"sqlite:///{tmp_path / 'a.db'}", state_dir=state)
+    with pytest.raises(ValueError, match="does not know this client") as info:
+        run_simulation(SimulationConfig(**keys), database_url=f"sqlite:///{tmp_path / 'b.db'}", state_dir=state)
+    assert "client-000000" in str(info.value) and "give a new --state-dir" in str(info.value)
