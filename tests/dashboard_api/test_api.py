@@ -27,6 +27,7 @@ def test_federation_summary(api: httpx.Client, federation: Federation) -> None:
 
 
 def test_rounds_say_what_the_store_says(api: httpx.Client, federation: Federation) -> None:
+    federation.coordinator.flush()  # downloads are recorded in batches: the ledger settled before it is read
     page = api.get("/rounds").json()
     assert (page["total"], page["offset"], page["limit"]) == (4, 0, 100)
     items = {r["number"]: r for r in page["items"]}
