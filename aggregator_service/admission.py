@@ -4,8 +4,8 @@ A gRPC sync server has a fixed pool of threads; a call that waits holds one. So 
 be limited (receiving a push holds a model's worth of memory) is guarded by a :class:`Gate`:
 ``slots`` callers inside, at most ``waiting`` more blocked in line, and any caller beyond that
 refused at once, so waiting callers can never take the threads other calls need. A client's own
-calls are limited apart from that (:class:`LatestPerClient`): one enrolled client that opens streams
-and sends nothing, or reads nothing, holds one thread and one slot, not all of them.
+pushes are limited apart from that (:class:`LatestPerClient`): one enrolled client that opens push
+streams and sends nothing holds one thread and one slot, not all of them.
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ class _Call(Protocol):
 class LatestPerClient:
     """One call of a kind per client: a client's new call cancels its call before.
 
-    A client that opens another push or fetch has given up on the one before (it retries after a
-    broken link, whose stream the server may not see end for hours); cancelling it frees its thread
-    and its slot at once. A client that opens many holds one.
+    A client that opens another push has given up on the one before (it retries after a broken
+    link, whose stream the server may not see end for hours); cancelling it frees its thread and its
+    slot at once. A client that opens many holds one.
     """
 
     def __init__(self) -> None:
