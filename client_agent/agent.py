@@ -31,7 +31,7 @@ import torch
 from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS, check_model_allowed
 from client_agent.pacing import ComputeSlot, RoundWatch
 from client_agent.state import ClientState, PendingUpdate
-from client_agent.transport import LONG_POLL_SECONDS, AggregatorClient, Unauthenticated, task_from_proto
+from client_agent.transport import LONG_POLL_SECONDS, AggregatorClient, Stopped, Unauthenticated, task_from_proto
 from client_agent.update import ClientEvaluation, evaluate_client, run_task
 from fedcore.data import check_labels
 from fedcore.model_input import Normalization, fit_to_model, needs_fitting
@@ -437,6 +437,7 @@ class Agent:
     def run(self, stop: threading.Event | None = None) -> int:
         """Run until the federation is done (exit code 0), keeping the client online meanwhile."""
         stop = self.stop = stop or threading.Event()
+        self.client.stop_on(stop)  # a stop cancels the call in flight and the wait between retries
         beat: threading.Thread | None = None
         try:
             creds = self.ensure_registered()
@@ -449,6 +450,9 @@ class Agent:
                 if delay is None:
                     return EXIT_CODES["done"]
                 stop.wait(delay)
+            return EXIT_CODES["interrupted"]
+        except Stopped:
+            log.info("event=stopped detail=%s", json.dumps("interrupted while a call was in flight or retried"))
             return EXIT_CODES["interrupted"]
         except Unauthenticated as exc:
             hint = (

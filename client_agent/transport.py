@@ -5,6 +5,11 @@ Every call goes through :meth:`AggregatorClient._call`, which retries transient 
 jitter, and turns ``UNAUTHENTICATED`` into :class:`Unauthenticated` so an agent stops with a
 clear message instead of polling forever. A push is retried by rebuilding its stream with
 the same ``update_id``, so the server stores it once however often the link drops.
+
+A slow link must not turn a transfer into an endless retry: a stream's deadline grows with its
+bytes (:attr:`AggregatorClient.min_link_bytes_per_second`), keepalive pings find a dead link
+long before that, and a fetch cut midway keeps the tensors it completed, so its retry asks only
+for the rest. A stop (SIGTERM, SIGINT) cancels the call in flight and the wait between retries.
 """
 
 from __future__ import annotations
@@ -41,12 +46,14 @@ from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 __all__ = [
     "LONG_POLL_SECONDS",
     "MAX_MESSAGE_BYTES",
+    "MIN_LINK_BYTES_PER_SECOND",
     "RETRYABLE",
     "AggregatorClient",
     "Backoff",
     "Fetched",
     "RegistrationRefused",
     "ServerSpeaksTLS",
+    "Stopped",
     "Unauthenticated",
     "channel_options",
     "speaks_tls",
@@ -59,9 +66,13 @@ log = logging.getLogger("fedatoms.client")
 MAX_MESSAGE_BYTES = 4 * 2**20 + 64 * 2**10
 #: How long a GetTask may be held by the server while there is nothing to do (a long poll).
 LONG_POLL_SECONDS = 30.0
+#: The slowest link a transfer's deadline allows for by default (8 kbit/s): a fetch or push may take
+#: ``rpc_timeout`` plus its bytes at this rate before it is cut and retried.
+MIN_LINK_BYTES_PER_SECOND = 1_000
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
 
 _T = TypeVar("_T")
+_C = TypeVar("_C", bound=grpc.Future)
 
 
 def channel_options(server_name: str | None = None) -> list[tuple[str, Any]]:
@@ -69,7 +80,10 @@ def channel_options(server_name: str | None = None) -> list[tuple[str, Any]]:
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        # a call in flight pings every 30 s: a dead link fails the call then, not at its deadline; the
+        # ack may wait behind a slow link's queued data, hence the timeout's headroom
         ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 60_000),
         ("grpc.keepalive_permit_without_calls", 0),
         # FetchModel's stream is read in the calling thread rather than handed over, message by
         # message, from the channel's spin thread: one thread handoff fewer per message
@@ -86,6 +100,10 @@ class Unauthenticated(RuntimeError):
 
 class RegistrationRefused(ValueError):
     """Register answered that this client cannot join as declared (no tier fits, a bad profile): fix the profile."""
+
+
+class Stopped(RuntimeError):
+    """The agent was asked to stop (SIGTERM, SIGINT) while a call was in flight or waiting to be retried."""
 
 
 class ServerSpeaksTLS(ValueError):
@@ -178,6 +196,7 @@ class AggregatorClient:
         server_name: str | None = None,
         backoff: Backoff | None = None,
         rpc_timeout: float = 120.0,
+        min_link_bytes_per_second: float = MIN_LINK_BYTES_PER_SECOND,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         options = channel_options(server_name)
@@ -193,8 +212,14 @@ class AggregatorClient:
         self.token = token
         self.backoff = backoff or Backoff()
         self.rpc_timeout = rpc_timeout
+        if min_link_bytes_per_second <= 0:
+            raise ValueError(f"min_link_bytes_per_second must be > 0, got {min_link_bytes_per_second}")
+        self.min_link_bytes_per_second = min_link_bytes_per_second
         self._sleep = sleep
         self._owns_channel = True
+        self.stop: threading.Event | None = None  # set (stop_on): calls in flight are cancelled, retries end
+        self._inflight: set[grpc.Future] = set()
+        self._inflight_lock = threading.Lock()
 
     @classmethod
     def sharing(cls, other: AggregatorClient) -> AggregatorClient:
@@ -202,7 +227,49 @@ class AggregatorClient:
         new = copy.copy(other)
         new.token = None
         new._owns_channel = False
+        new.stop, new._inflight, new._inflight_lock = None, set(), threading.Lock()
         return new
+
+    def stop_on(self, stop: threading.Event) -> None:
+        """Once ``stop`` is set, cancel the calls in flight and refuse new ones (:class:`Stopped`): a
+        signal handler only sets an event, and a call on a dead link would otherwise hold the agent
+        until its deadline."""
+        self.stop = stop
+
+        def cancel_when_stopped() -> None:
+            stop.wait()
+            with self._inflight_lock:
+                calls = list(self._inflight)
+            for call in calls:
+                call.cancel()
+
+        threading.Thread(target=cancel_when_stopped, name="stop-watch", daemon=True).start()
+
+    def _transfer_timeout(self, nbytes: int) -> float:
+        """A stream's deadline: ``rpc_timeout`` plus its bytes over the slowest link allowed for."""
+        return self.rpc_timeout + nbytes / self.min_link_bytes_per_second
+
+    def _tracked(self, call: _C) -> _C:
+        """Register a call in flight, so a stop cancels it (at once, if the stop came first)."""
+        with self._inflight_lock:
+            self._inflight.add(call)
+        if self.stop is not None and self.stop.is_set():
+            call.cancel()
+        return call
+
+    def _untrack(self, call: grpc.Future) -> None:
+        with self._inflight_lock:
+            self._inflight.discard(call)
+
+    def _unary(self, method: grpc.UnaryUnaryMultiCallable, request: Any, **kwargs: Any) -> Any:
+        """A unary call that a stop can cancel (a plain blocking call when nothing can stop this client)."""
+        if self.stop is None:
+            return method(request, **kwargs)
+        future = self._tracked(method.future(request, **kwargs))
+        try:
+            return future.result()
+        finally:
+            self._untrack(future)
 
     def close(self) -> None:
         if self._owns_channel:
@@ -220,13 +287,25 @@ class AggregatorClient:
             raise Unauthenticated("no bearer token: register first")
         return (("authorization", f"Bearer {self.token}"),)
 
+    def _stopping(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
+
     def _call(self, what: str, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` until it succeeds, retrying transient failures with backoff."""
+        """Run ``fn`` until it succeeds, retrying transient failures with backoff; :class:`Stopped` once
+        the stop event is set (the call in flight is cancelled, the wait between attempts ends)."""
         started, attempt = time.monotonic(), 0
         while True:
+            if self._stopping():
+                raise Stopped(f"{what}: stopped")
             try:
                 return fn()
+            except grpc.FutureCancelledError as exc:
+                if self._stopping():
+                    raise Stopped(f"{what}: stopped") from exc
+                raise
             except grpc.RpcError as exc:
+                if self._stopping():
+                    raise Stopped(f"{what}: stopped") from exc
                 code = exc.code() if hasattr(exc, "code") else None
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                     raise Unauthenticated(f"{what}: {exc.details()}") from exc  # type: ignore[attr-defined]
@@ -250,7 +329,10 @@ class AggregatorClient:
                     delay,
                     json.dumps(exc.details() if hasattr(exc, "details") else str(exc)),
                 )
-                self._sleep(delay)
+                if self.stop is None:
+                    self._sleep(delay)
+                elif self.stop.wait(delay):
+                    raise Stopped(f"{what}: stopped") from exc
                 attempt += 1
 
     # ------------------------------------------------------------------ RPCs
@@ -275,7 +357,7 @@ class AggregatorClient:
         if name:
             request.client_name = name
         try:
-            reply = self._call("Register", lambda: self.stub.Register(request, timeout=self.rpc_timeout))
+            reply = self._call("Register", lambda: self._unary(self.stub.Register, request, timeout=self.rpc_timeout))
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT):  # type: ignore[attr-defined]
                 raise RegistrationRefused(f"the aggregator refused to register this client: {exc.details()}") from exc  # type: ignore[attr-defined]
@@ -285,7 +367,7 @@ class AggregatorClient:
 
     def heartbeat(self, *, retry: bool = True) -> pb.HeartbeatReply:
         """``retry=False``: one attempt (a background beat must not sleep through a shutdown)."""
-        call = lambda: self.stub.Heartbeat(pb.HeartbeatRequest(), metadata=self._auth, timeout=10)  # noqa: E731
+        call = lambda: self._unary(self.stub.Heartbeat, pb.HeartbeatRequest(), metadata=self._auth, timeout=10)  # noqa: E731
         return self._call("Heartbeat", call) if retry else call()
 
     def get_task(
@@ -306,12 +388,15 @@ class AggregatorClient:
 
         def call() -> pb.Task:
             if wait_seconds <= 0 or cancel is None:
-                return self.stub.GetTask(request, metadata=self._auth, timeout=timeout)
-            future = self.stub.GetTask.future(request, metadata=self._auth, timeout=timeout)
-            while not future.done():
-                if cancel.wait(0.2) and future.cancel():
-                    return pb.Task(wait=pb.Task.Wait(reason="stopping: the held call was cancelled"))
-            return future.result()
+                return self._unary(self.stub.GetTask, request, metadata=self._auth, timeout=timeout)
+            future = self._tracked(self.stub.GetTask.future(request, metadata=self._auth, timeout=timeout))
+            try:
+                while not future.done():
+                    if cancel.wait(0.2) and future.cancel():
+                        return pb.Task(wait=pb.Task.Wait(reason="stopping: the held call was cancelled"))
+                return future.result()
+            finally:
+                self._untrack(future)
 
         return self._call("GetTask", call)
 
@@ -335,18 +420,40 @@ class AggregatorClient:
             request.include_server_control = True
         request.purpose = pb.FETCH_PURPOSE_EVALUATE if evaluate else pb.FETCH_PURPOSE_TRAIN
 
+        # a fetch cut midway keeps the tensors it completed: the retry declares them held, so the server
+        # sends only the rest (a tensor that changed meanwhile is newer than held, and sent again)
+        kept: dict[str, tuple[np.ndarray, int]] = {}
+        received = [0]
+        nbytes = sum(int(np.prod(shape)) * 4 for shape, _ in expected.values()) * (2 if include_server_control else 1)
+
         def once() -> Fetched:
+            request.ClearField("held")
+            request.held.extend(pb.TensorVersion(name=n, version=v) for n, v in held.items() if n not in kept)
+            request.held.extend(pb.TensorVersion(name=n, version=v) for n, (_, v) in kept.items())
             model, control = codec.Reassembler(), codec.Reassembler()
-            for batch in self._fetch_model(request, metadata=self._auth, timeout=self.rpc_timeout):
-                for kind, chunk in batch:
-                    (control if kind == pb.TENSOR_KIND_SERVER_CONTROL else model).add(chunk)
+            stream = self._tracked(
+                self._fetch_model(request, metadata=self._auth, timeout=self._transfer_timeout(nbytes))
+            )
+            try:
+                for batch in stream:
+                    for kind, chunk in batch:
+                        (control if kind == pb.TENSOR_KIND_SERVER_CONTROL else model).add(chunk)
+            except grpc.RpcError:
+                received[0] += model.bytes_received + control.bytes_received
+                versions = model.versions()
+                for name, array in model.finish(expected, complete_only=True).items():
+                    kept[name] = (array, versions[name])
+                raise  # the server control is sent whole with every fetch: nothing of it is kept
+            finally:
+                self._untrack(stream)
             versions = model.versions()
-            arrays = model.finish(expected)
+            arrays = {n: a for n, (a, _) in kept.items()} | model.finish(expected)
+            versions = {n: v for n, (_, v) in kept.items()} | versions
             controls = control.finish()
             return Fetched(
                 {n: (torch.from_numpy(a), versions[n]) for n, a in arrays.items()},
                 {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in controls.items()},
-                model.bytes_received + control.bytes_received,
+                received[0] + model.bytes_received + control.bytes_received,
             )
 
         return self._call("FetchModel", once)
@@ -374,12 +481,20 @@ class AggregatorClient:
         tensors_ += [
             (name, tensor, round_, pb.TENSOR_KIND_CONTROL_DELTA) for name, tensor in (control_delta or {}).items()
         ]
-        return self._call(
-            "PushUpdate",
-            lambda: self._push_update(
-                framing.push_messages(header, tensors_, fp16=fp16), metadata=self._auth, timeout=self.rpc_timeout
-            ),
-        )
+        nbytes = sum(t.numel() * (2 if fp16 and t.is_floating_point() else t.element_size()) for _, t, _, _ in tensors_)
+
+        def once() -> pb.PushReply:
+            messages = framing.push_messages(header, tensors_, fp16=fp16)
+            timeout = self._transfer_timeout(nbytes)
+            if self.stop is None:
+                return self._push_update(messages, metadata=self._auth, timeout=timeout)
+            future = self._tracked(self._push_update.future(messages, metadata=self._auth, timeout=timeout))
+            try:
+                return future.result()
+            finally:
+                self._untrack(future)
+
+        return self._call("PushUpdate", once)
 
     @staticmethod
     def evaluation(
@@ -395,5 +510,5 @@ class AggregatorClient:
     def report(self, report: pb.EvaluationReport) -> pb.EvaluationReply:
         """Send an evaluation (:meth:`evaluation`) on its own, when no GetTask will carry it."""
         return self._call(
-            "ReportEvaluation", lambda: self.stub.ReportEvaluation(report, metadata=self._auth, timeout=30)
+            "ReportEvaluation", lambda: self._unary(self.stub.ReportEvaluation, report, metadata=self._auth, timeout=30)
         )

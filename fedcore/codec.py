@@ -420,14 +420,19 @@ class Reassembler:
         self,
         expected: Mapping[str, tuple[tuple[int, ...], str]] | None = None,
         allow_nonfinite: bool = False,
+        complete_only: bool = False,
     ) -> dict[str, np.ndarray]:
         """Decode everything received, checking names, shapes and dtypes against ``expected`` when given.
 
         Only names that arrived are returned: a name in ``expected`` that never arrived is not an
         error here, because which tensors are due is the caller's decision. The first call's
         arrays use the receive buffers in place (no copy); a later call returns fresh copies.
+        ``complete_only``: a stream that broke off leaves its last tensor incomplete; it is dropped
+        instead of refused (what was completed can still be kept).
         """
         cur = self._current
+        if cur is not None and complete_only and not cur.complete:
+            self._current = cur = None
         if cur is not None:
             if not cur.complete:
                 raise CodecError(

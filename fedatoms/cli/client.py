@@ -28,6 +28,8 @@ def cmd_client_run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.min_link_kbps is not None and not args.min_link_kbps > 0:
+        raise ValueError(f"--min-link-kbps must be > 0, got {args.min_link_kbps}")
     train, test = _local_data(args)
     if args.profile is not None:
         profile = declared_profile(args.profile, len(train))
@@ -46,6 +48,7 @@ def cmd_client_run(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         backoff=Backoff(max_elapsed=args.give_up_after),
+        **({} if args.min_link_kbps is None else {"min_link_bytes_per_second": args.min_link_kbps * 1000 / 8}),
     )
     agent = Agent(
         client,
@@ -177,6 +180,13 @@ def add_parser(sub: Any) -> None:
     run.add_argument("--tls-key", type=Path, help="client key, for mutual TLS")
     run.add_argument(
         "--give-up-after", type=float, default=None, help="exit 4 after this many seconds unreachable [never]"
+    )
+    run.add_argument(
+        "--min-link-kbps",
+        type=float,
+        default=None,
+        help="the slowest link a fetch or push is given time for before it is cut and retried "
+        "(its deadline: 120 s plus its bytes at this rate) [8]",
     )
     run.add_argument(
         "--allow-model",

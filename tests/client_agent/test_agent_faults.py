@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from links import LinkProxy
 from processes import (
     SECRET,
     Aggregator,
@@ -134,52 +133,6 @@ def test_clients_ride_through_an_aggregator_restart(tmp_path: Path) -> None:
     assert server.log.read_text().count("event=allocator_set mmap_threshold=4194304 trim_threshold=16777216") == 2
 
 
-class CuttingProxy:
-    """A TCP proxy to the aggregator that drops the connection once, after ``cut_after`` client→server bytes."""
-
-    def __init__(self, upstream: int, cut_after: int) -> None:
-        self.upstream, self.cut_after = upstream, cut_after
-        self.armed = False
-        self.cuts = 0
-        self.connections = 0
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                down, _ = self.listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(("127.0.0.1", self.upstream))
-            self.connections += 1
-            threading.Thread(target=self._pump, args=(down, up, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(up, down, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
-        sent = 0
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-                sent += len(data)
-                if upstream and self.armed and sent > self.cut_after:
-                    self.armed = False
-                    self.cuts += 1
-                    break
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def close(self) -> None:
-        self.listener.close()
-
-
 def test_push_cut_mid_stream_is_retried_with_its_id_and_counted_once(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'agg.db'}"
     settings = AggregatorSettings(
@@ -192,7 +145,7 @@ def test_push_cut_mid_stream_is_retried_with_its_id_and_counted_once(tmp_path: P
     coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
     server, port, _ = build_server(settings, coordinator, max_workers=8)
     server.start()
-    proxy = CuttingProxy(port, cut_after=64 * 1024)
+    proxy = LinkProxy(port, cut_after=64 * 1024)
     retries: list[float] = []
     client = AggregatorClient(f"127.0.0.1:{proxy.port}", backoff=Backoff(base=0.05), sleep=retries.append)
     other = AggregatorClient(f"127.0.0.1:{port}")

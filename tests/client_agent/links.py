@@ -1,0 +1,83 @@
+"""A bad link between a client and the aggregator: a TCP proxy that is slow, or cuts connections."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+
+class LinkProxy:
+    """A TCP proxy to ``127.0.0.1:upstream`` that a test makes bad.
+
+    - ``rate``: bytes per second each way (None: as fast as loopback);
+    - ``cut_after`` client→server bytes: the connection is dropped there, once, while :attr:`armed`;
+    - ``cut_down_after`` server→client bytes: every connection is dropped there (a link that keeps
+      failing midway through a download).
+    """
+
+    def __init__(
+        self,
+        upstream: int,
+        *,
+        rate: float | None = None,
+        cut_after: int | None = None,
+        cut_down_after: int | None = None,
+    ) -> None:
+        self.upstream, self.rate = upstream, rate
+        self.cut_after, self.cut_down_after = cut_after, cut_down_after
+        self.armed = False
+        self.cuts = 0
+        self.connections = 0
+        self.down_bytes = 0  # server→client bytes moved, over every connection
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.upstream))
+            self.connections += 1
+            threading.Thread(target=self._pump, args=(down, up, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(up, down, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+        sent = 0
+        block = 65536 if self.rate is None else max(1, min(65536, int(self.rate / 20)))
+        try:
+            while data := src.recv(block):
+                if not upstream and self.cut_down_after is not None and sent + len(data) > self.cut_down_after:
+                    data = data[: self.cut_down_after - sent]
+                    dst.sendall(data)
+                    self.down_bytes += len(data)
+                    self.cuts += 1
+                    break
+                dst.sendall(data)
+                sent += len(data)
+                if not upstream:
+                    self.down_bytes += len(data)
+                if upstream and self.armed and self.cut_after is not None and sent > self.cut_after:
+                    self.armed = False
+                    self.cuts += 1
+                    break
+                if self.rate is not None:  # each block takes its time: an idle link saves up no credit
+                    time.sleep(len(data) / self.rate)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self.listener.close()

@@ -1,0 +1,146 @@
+"""An edge device on a bad link: slower than a call's deadline, cut again and again, or dead while it stops."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from links import LinkProxy
+from processes import ENV, ROOT, SECRET, free_port, wait_for
+
+from aggregator_service import store
+from aggregator_service.config import AggregatorSettings, FederationConfig
+from aggregator_service.coordinator import Coordinator
+from aggregator_service.server import build_server
+from client_agent.transport import AggregatorClient, Backoff
+from fedcore.tiers import CapabilityProfile
+
+pytestmark = pytest.mark.slow
+
+
+@contextlib.contextmanager
+def aggregator(tmp_path: Path, model: str) -> Iterator[int]:
+    """An aggregator in this process on a loopback port, with a real SQLite file; yields the port."""
+    url = f"sqlite:///{tmp_path / 'agg.db'}"
+    settings = AggregatorSettings(
+        listen="127.0.0.1:0",
+        database_url=url,
+        enrollment_secret=SECRET,
+        federation=FederationConfig(model=model, fraction=1.0, min_clients=2, rounds=2, batch_size=32),
+    )
+    store.upgrade(url)
+    coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
+    server, port, _ = build_server(settings, coordinator, max_workers=8)
+    server.start()
+    try:
+        yield port
+    finally:
+        server.stop(grace=None)
+
+
+def test_a_link_too_slow_for_the_call_deadline_still_fetches_and_pushes(tmp_path: Path) -> None:
+    """At 200 KB/s the 605 KB model takes about 3 s, three times rpc_timeout: a fixed deadline would cut
+    every attempt at the same place, forever. The deadline follows the transfer's size instead."""
+    with aggregator(tmp_path, "digits-cnn") as port:
+        proxy = LinkProxy(port, rate=200_000)
+        retries: list[float] = []
+        slow = AggregatorClient(
+            proxy.target,
+            rpc_timeout=1.0,
+            min_link_bytes_per_second=100_000,
+            backoff=Backoff(base=0.05, max_elapsed=30),
+            sleep=retries.append,
+        )
+        direct = AggregatorClient(f"127.0.0.1:{port}")
+        try:
+            direct.register(CapabilityProfile(num_samples=100), SECRET)  # a second member keeps round 1 open
+            _, spec = direct.register(CapabilityProfile(num_samples=100), SECRET)
+            slow.token = direct.token
+            task = slow.get_task()
+            started = time.monotonic()
+            fetched = slow.fetch(spec, {}, round_=task.train.round)
+            took = time.monotonic() - started
+            reference = direct.fetch(spec, {}, round_=task.train.round)
+            assert retries == [] and took > 2 * slow.rpc_timeout  # one attempt, well past rpc_timeout
+            assert fetched.model.keys() == reference.model.keys() == {t.name for t in spec.tensors}
+            for name, (tensor, version) in reference.model.items():
+                assert torch.equal(fetched.model[name][0], tensor) and fetched.model[name][1] == version
+
+            update = {name: tensor + 0.001 for name, (tensor, _) in fetched.model.items()}
+            started = time.monotonic()
+            pushed = slow.push(task.train.round, "u-slow", 100, {}, update)
+            assert pushed.accepted and not pushed.duplicate
+            assert retries == [] and time.monotonic() - started > 2 * slow.rpc_timeout
+        finally:
+            slow.close()
+            direct.close()
+            proxy.close()
+
+
+def test_a_download_cut_again_and_again_resumes_with_the_tensors_it_completed(tmp_path: Path) -> None:
+    """Every connection drops after 16 MB of the 45 MB ResNet-18: restarting from byte 0 never ends;
+    keeping the completed tensors finishes in a few attempts, with the same model a clean link gets."""
+    with aggregator(tmp_path, "resnet18") as port:
+        proxy = LinkProxy(port, cut_down_after=16 * 2**20)
+        retries: list[float] = []
+        cut = AggregatorClient(proxy.target, backoff=Backoff(base=0.05, max_elapsed=60), sleep=retries.append)
+        direct = AggregatorClient(f"127.0.0.1:{port}")
+        try:
+            _, spec = direct.register(CapabilityProfile(num_samples=100), SECRET)
+            cut.token = direct.token
+            fetched = cut.fetch(spec, {})
+            reference = direct.fetch(spec, {})
+        finally:
+            cut.close()
+            direct.close()
+            proxy.close()
+    total = sum(t.numel() * t.element_size() for t, _ in reference.model.values())
+    assert total > 40 * 2**20 and proxy.cuts >= 2 and len(retries) == proxy.cuts
+    assert proxy.down_bytes < total + 2 * 16 * 2**20  # at most the two cut attempts' bytes were lost
+    assert fetched.model.keys() == reference.model.keys()
+    for name, (tensor, version) in reference.model.items():
+        assert torch.equal(fetched.model[name][0], tensor) and fetched.model[name][1] == version, name
+    # a 0-d buffer (BatchNorm's num_batches_tracked) came through as what it is
+    assert any(t.dim() == 0 for t, _ in fetched.model.values())
+
+
+@pytest.mark.parametrize("link", ["refused", "silent"])
+def test_sigterm_while_the_agent_waits_on_a_dead_link_exits_130_at_once(tmp_path: Path, link: str) -> None:
+    """``refused``: nothing listens, so Register is retried with backoff (up to 30 s between tries);
+    ``silent``: the port accepts and never answers, so Register hangs in flight. Either way SIGTERM
+    stops the agent now, with exit 130, not after the backoff or the call's deadline."""
+    silent = socket.create_server(("127.0.0.1", 0)) if link == "silent" else None
+    port = silent.getsockname()[1] if silent is not None else free_port()
+    log = tmp_path / "agent.log"
+    cmd = [sys.executable, "-m", "fedatoms", "client", "run", "--server", f"127.0.0.1:{port}"]
+    cmd += ["--enrollment-secret", SECRET, "--partition-index", "0", "--state-dir", str(tmp_path / "d")]
+    agent = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    held: socket.socket | None = None
+    try:
+        if silent is not None:
+            silent.settimeout(120)
+            held, _ = silent.accept()  # the agent's Register is on its way, and will get no answer
+            time.sleep(1.0)
+        else:
+            wait_for(log, r"(?s)event=rpc_retry rpc=Register.*event=rpc_retry rpc=Register", proc=agent)
+        agent.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code = agent.wait(60)
+        took = time.monotonic() - signalled
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        for sock in (silent, held):
+            if sock is not None:
+                sock.close()
+    assert code == 130, log.read_text()[-3000:]
+    assert took < 5.0, f"exited {took:.1f} s after SIGTERM"
+    assert "event=stopped" in log.read_text()
