@@ -22,7 +22,7 @@ from aggregator_service.intervals import HOLD_COHORT, PROTECT, build_policy, war
 from aggregator_service.listen import is_loopback, split_listen
 from aggregator_service.refactorization import TIER_INITS
 from aggregator_service.rounds import CohortSampler, Federation
-from aggregator_service.strategies import Setting, accepts, build_strategy, strategy_class
+from aggregator_service.strategies import FedProx, Setting, accepts, build_strategy, strategy_class
 from aggregator_service.toml_settings import TomlSettings
 from aggregator_service.update_bounds import UpdateBounds
 from fedcore.datasource import describe
@@ -81,8 +81,8 @@ class FederationConfig:
     strategy: str = "fedavg"
     #: keyword arguments of the strategy's class beyond the keys below, e.g. {"alpha": 0.01} for feddyn
     strategy_args: dict[str, Any] = field(default_factory=dict)
-    mu: float = 0.01
-    global_lr: float = 1.0
+    mu: float = 0.01  # FedProx's μ
+    global_lr: float = 1.0  # SCAFFOLD's η_g
     weighting: str = "samples"
     temperature: float = math.inf
     keep_local_buffers: bool = False
@@ -152,6 +152,7 @@ class FederationConfig:
         )
         if refusal is not None:
             raise ValueError(f"strategy {self.strategy!r} does not compose with this federation: {refusal}")
+        self.strategy_params(num_clients_total=1)  # a key the strategy would ignore is refused here, at start
         if not math.isinf(self.temperature) and self.weighting != "tier-softmax":
             raise ValueError("--temperature only applies with --weighting tier-softmax")
         if self.lama_protect not in PROTECT:
@@ -232,12 +233,12 @@ class FederationConfig:
         )
 
     def train_config(self, device: str = "auto") -> TrainConfig:
-        """What clients train with: the training keys as set here, FedProx's ``mu`` only under fedprox, and with
-        mixed tiers trained nested the smallest tier."""
+        """What clients train with: the training keys as set here, FedProx's ``mu`` only under FedProx (or a
+        subclass, by name or reference), and with mixed tiers trained nested the smallest tier."""
         return replace(
             FEDERATION_TRAINING,
             **{name: getattr(self, name) for name in _TRAINING_KEYS},
-            prox_mu=self.mu if self.strategy == "fedprox" else 0.0,
+            prox_mu=self.mu if issubclass(strategy_class(self.strategy), FedProx) else 0.0,
             nested_rank_ratio=self.nested_rank_ratio,
             device=device,
         )
@@ -258,15 +259,21 @@ class FederationConfig:
             "bn_statistics": self.bn_statistics,
             "num_clients_total": num_clients_total,
             "spec": self.spec,
+            "mu": self.mu,
+            "global_lr": self.global_lr,
         }
-        if self.strategy == "fedprox":
-            offered["mu"] = self.mu
-        if self.strategy == "scaffold":
-            offered["global_lr"] = self.global_lr
         clash = sorted(set(self.strategy_args) & set(offered))
         if clash:
             raise ValueError(f"strategy_args {clash} are set by the federation's own keys; set those instead")
         taken = accepts(strategy_class(self.strategy))
+        # a key only some strategies take, set for one that does not, would be ignored without a word
+        defaults = {f.name: f.default for f in fields(FederationConfig)}
+        for key in ("mu", "global_lr"):
+            if key not in taken and offered[key] != defaults[key]:
+                raise ValueError(
+                    f"{key} = {offered[key]:g} is not used by strategy {self.strategy!r}, whose __init__ takes no "
+                    f"{key!r} ({'FedProx' if key == 'mu' else 'SCAFFOLD'}'s; leave it unset)"
+                )
         return {**{k: v for k, v in offered.items() if k in taken}, **self.strategy_args}
 
     def policy_params(self) -> dict[str, Any]:

@@ -68,7 +68,6 @@ def _config(args: argparse.Namespace, seed: int, **switches: Any) -> SimulationC
         batch_size=10,
         lr=0.01,
         momentum=0.9,
-        mu=1e-4,
         ditto_lambda=0.75,
         personal_epochs=args.personal_epochs,
         head_epochs=args.head_epochs,
@@ -76,6 +75,8 @@ def _config(args: argparse.Namespace, seed: int, **switches: Any) -> SimulationC
         seed=seed,
     )
     base.update(switches)
+    if base.get("strategy") == "fedprox":
+        base["mu"] = 1e-4  # the paper's μ (refused for the strategies that take none)
     try:
         return SimulationConfig(**base)
     except ValueError as exc:

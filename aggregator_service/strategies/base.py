@@ -71,6 +71,9 @@ class RoundAccumulator:
     reported: set[str] = field(default_factory=set)  # O(1) duplicate check in fold
     metric_sums: dict[str, float] = field(default_factory=dict)
     metric_weights: dict[str, float] = field(default_factory=dict)
+    #: the model's buffers (BatchNorm statistics), named by the folded updates' specs: they take the clients'
+    #: mean whatever the server step (:meth:`FedAvg.new_value`)
+    buffers: set[str] = field(default_factory=set)
     #: set by the federation when tiers below 1 are averaged where they hold (:mod:`aggregator_service.held_average`)
     held: HeldAverage | None = None
 

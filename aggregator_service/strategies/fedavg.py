@@ -123,6 +123,7 @@ class FedAvg(Strategy):
         acc.weights.append(weight)
         acc.client_ids.append(update.client_id)
         acc.reported.add(update.client_id)
+        acc.buffers.update(t.name for t in update.spec.tensors if t.role == "buffer")
         for key, value in update.metrics.items():
             acc.metric_sums[key] = acc.metric_sums.get(key, 0.0) + update.num_samples * float(value)
             acc.metric_weights[key] = acc.metric_weights.get(key, 0.0) + update.num_samples
@@ -138,9 +139,12 @@ class FedAvg(Strategy):
         acc.filters.add(effective_filters(aligned), weight, part=True)
 
     def new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
-        """The new global value from the clients' weighted mean (cast to the tensor's dtype, and in float64).
+        """The new global value of a parameter from the clients' weighted mean (cast to the tensor's dtype,
+        and in float64).
 
-        FedAvg: the mean itself.
+        FedAvg: the mean itself. Buffers never come here: BatchNorm's running statistics are statistics of
+        the clients' data, not a descent direction, so a server step (η_g, momentum, Adam) past their mean
+        would only make them wrong, a variance negative.
         """
         return mean
 
@@ -156,7 +160,11 @@ class FedAvg(Strategy):
             raw = {**raw, **pooled_variances(raw, pairs)}
             means = {**means, **{v: raw[v].to(global_tensors[v].dtype) for v in pairs}}
         tensors = {
-            name: self.new_value(name, means[name], raw[name], global_tensors[name]).to(global_tensors[name].dtype)
+            name: (
+                means[name]
+                if name in acc.buffers
+                else self.new_value(name, means[name], raw[name], global_tensors[name])
+            ).to(global_tensors[name].dtype)
             for name in acc.due
             if name in means
         }

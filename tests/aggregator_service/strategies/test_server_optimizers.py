@@ -8,7 +8,8 @@ import pytest
 import torch
 from strategy_helpers import DIGITS, random_tensors, run_round, update
 
-from aggregator_service.strategies import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi, Strategy
+from aggregator_service.strategies import FedAdagrad, FedAdam, FedAvg, FedAvgM, FedYogi, Scaffold, Strategy
+from fedcore.spec import ModelSpec
 
 NAME = "head.bias"
 
@@ -108,3 +109,34 @@ def test_bad_hyper_parameters_are_refused() -> None:
         FedAdam(tau=0.0)
     with pytest.raises(ValueError, match="beta_2"):
         FedYogi(beta_2=1.5)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [Scaffold(2, global_lr=2.0), FedAvgM(server_learning_rate=0.5, server_momentum=0.9), FedAdam(eta=0.5)],
+    ids=["scaffold-2", "fedavgm", "fedadam"],
+)
+def test_a_server_step_moves_parameters_and_batchnorm_statistics_take_the_mean(strategy: Strategy) -> None:
+    """Global running_var 1, both clients measured 0.3 (same running_mean, so the pooled variance is 0.3):
+    the new running_var is 0.3, as FedAvg's. A server step past the mean (x + 2·(0.3 − 1) = −0.4 at
+    η_g = 2) would make it negative, and every later evaluation NaN."""
+    spec = ModelSpec("resnet18", 10, "none")
+    names = ["bn1.weight", "bn1.running_mean", "bn1.running_var", "bn1.num_batches_tracked"]
+    x = {
+        "bn1.weight": torch.ones(64),
+        "bn1.running_mean": torch.zeros(64),
+        "bn1.running_var": torch.ones(64),
+        "bn1.num_batches_tracked": torch.tensor(7),
+    }
+    pushed = {**x, "bn1.weight": torch.full((64,), 0.3), "bn1.running_var": torch.full((64,), 0.3)}
+    controls = {"bn1.weight": torch.zeros(64)}
+    ups = [update(spec, dict(pushed), 10, f"c{i}", controls) for i in range(2)]
+    acc = strategy.begin(x, names)
+    for u in ups:
+        strategy.fold(acc, u)
+    result = strategy.finish(acc, x)
+    torch.testing.assert_close(result.tensors["bn1.running_var"], torch.full((64,), 0.3))
+    torch.testing.assert_close(result.tensors["bn1.running_mean"], torch.zeros(64))
+    assert int(result.tensors["bn1.num_batches_tracked"]) == 7
+    # the parameter does take the server's step: it does not end at the clients' mean
+    assert not torch.allclose(result.tensors["bn1.weight"], torch.full((64,), 0.3))
