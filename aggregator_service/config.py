@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -33,7 +34,7 @@ from fedcore.training import TrainConfig
 from fedcore.training.nested import TIER_TRAININGS
 from fedcore.training.personalization import SPLITS, personal_tensors
 
-__all__ = ["DEMO_ENROLLMENT_SECRET", "AggregatorSettings", "FederationConfig"]
+__all__ = ["DEMO_ENROLLMENT_SECRET", "AggregatorSettings", "FederationConfig", "StoreTarget", "stored_spec"]
 
 #: The default enrollment secret: for local demos only, never for a federation reachable by others.
 DEMO_ENROLLMENT_SECRET = "fedatoms-demo"
@@ -219,18 +220,7 @@ class FederationConfig:
     @property
     def spec(self) -> ModelSpec:
         """The full-rank spec the server aggregates; tiers are ``spec.at_tier(γ)``."""
-        assert self.model is not None
-        return ModelSpec(
-            self.model,
-            self.num_classes,
-            self.factorization,
-            self.num_atoms,
-            model_args=self.model_args,
-            full_rank=None if self.full_rank is None else tuple(self.full_rank),
-            head=self.head,
-            input_shape=None if self.input_shape is None else tuple(self.input_shape),
-            full_rank_share=float(self.full_rank_share),
-        )
+        return model_spec(self)
 
     def train_config(self, device: str = "auto") -> TrainConfig:
         """What clients train with: the training keys as set here, FedProx's ``mu`` only under FedProx (or a
@@ -321,6 +311,31 @@ _OPTIONAL_MODEL_KEYS = ("model_args", "full_rank", "head", "input_shape")
 
 #: FederationConfig's keys that are TrainConfig fields, passed to clients as they are.
 _TRAINING_KEYS = tuple(f.name for f in fields(FederationConfig) if f.name in {g.name for g in fields(TrainConfig)})
+
+
+def model_spec(config: Any) -> ModelSpec:
+    """The full-rank spec of ``config``: a :class:`FederationConfig`, or any object with its model keys."""
+    assert config.model is not None
+    return ModelSpec(
+        config.model,
+        config.num_classes,
+        config.factorization,
+        config.num_atoms,
+        model_args=config.model_args,
+        full_rank=None if config.full_rank is None else tuple(config.full_rank),
+        head=config.head,
+        input_shape=None if config.input_shape is None else tuple(config.input_shape),
+        full_rank_share=float(config.full_rank_share),
+    )
+
+
+def stored_spec(stored: Mapping[str, Any]) -> ModelSpec:
+    """The model spec of a federation config as the store keeps it, without re-checking its other keys: a
+    finished federation stays exportable where its strategy's code is absent, or a newer release would
+    refuse a key it once accepted."""
+    keys = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(FederationConfig)}  # type: ignore[misc]
+    keys.update({k: v for k, v in stored.items() if k in keys})
+    return model_spec(SimpleNamespace(**keys))
 
 
 # --------------------------------------------------------------------------- the aggregator service
@@ -453,3 +468,14 @@ class AggregatorSettings(TomlSettings):
         if self.max_push_bytes is not None:
             return self.max_push_bytes
         return 2 * sum(t.numel * 4 for t in self.federation.spec.tensors)
+
+
+class StoreTarget(TomlSettings):
+    """Which federation in which database, from the same flags, variables and file as the aggregator's: all an
+    operator's command on the store (export, revoke, rebind) reads, so a file written for serving elsewhere
+    (another listen address, spool or certificate paths, a strategy plugin) works here unchanged."""
+
+    model_config = SettingsConfigDict(env_prefix="FEDATOMS_", env_nested_delimiter="__", extra="ignore")
+
+    database_url: str = AggregatorSettings.model_fields["database_url"].default
+    federation_name: str = AggregatorSettings.model_fields["federation_name"].default

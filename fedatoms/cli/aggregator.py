@@ -24,9 +24,19 @@ def _settings(args: argparse.Namespace) -> Any:
     return AggregatorSettings(**{k: v for k, v in overrides.items() if v is not None})
 
 
+def _store_target(args: argparse.Namespace) -> Any:
+    """The database and federation of ``--database-url``, else the environment's, else ``--config``'s, else the
+    defaults: only those two keys are read, so the server's file works on another machine."""
+    from aggregator_service.config import StoreTarget
+
+    if getattr(args, "config", None) is not None:
+        return StoreTarget.from_toml(args.config, database_url=args.database_url)
+    return StoreTarget(**({} if args.database_url is None else {"database_url": args.database_url}))
+
+
 def database_url(args: argparse.Namespace) -> str:
-    """The database of ``--database-url``, else of ``--config``, else the environment's or the default."""
-    return str(_settings(args).database_url)
+    """The database of ``--database-url``, else of the environment, else of ``--config``, else the default."""
+    return str(_store_target(args).database_url)
 
 
 def cmd_aggregator_serve(args: argparse.Namespace) -> int:
@@ -61,9 +71,9 @@ def cmd_aggregator_rebind(args: argparse.Namespace) -> int:
 def cmd_aggregator_export(args: argparse.Namespace) -> int:
     from aggregator_service.export import export_global_model
 
-    settings = _settings(args)
-    path = export_global_model(settings.database_url, args.round, args.output, settings.federation_name)
-    print(f"global model after round {args.round} written to {path}")
+    target = _store_target(args)
+    path, round_ = export_global_model(target.database_url, args.round, args.output, target.federation_name)
+    print(f"global model after round {round_} written to {path}")
     return 0
 
 
@@ -80,7 +90,7 @@ def add_parser(sub: Any) -> None:
 
     revoke = agg_sub.add_parser("revoke", help="revoke a client's token (works while the server runs)")
     revoke.add_argument("client", help="client id, as shown in the server log and the dashboard")
-    revoke.add_argument("--config", type=Path, help="the server's TOML file (for its database_url)")
+    revoke.add_argument("--config", type=Path, help="the server's TOML file (only its database_url)")
     revoke.add_argument("--database-url", help=DB_HELP)
     revoke.set_defaults(func=cmd_aggregator_revoke)
 
@@ -89,13 +99,15 @@ def add_parser(sub: Any) -> None:
     )
     rebind.add_argument("client", help="client id, as shown in the server log and the dashboard")
     rebind.add_argument("--client-cert", type=Path, required=True, help="the client's new certificate (PEM)")
-    rebind.add_argument("--config", type=Path, help="the server's TOML file (for its database_url)")
+    rebind.add_argument("--config", type=Path, help="the server's TOML file (only its database_url)")
     rebind.add_argument("--database-url", help=DB_HELP)
     rebind.set_defaults(func=cmd_aggregator_rebind)
 
     export = agg_sub.add_parser("export", help="write the global model of the last closed round as safetensors")
-    export.add_argument("--round", type=int, required=True, help="the last closed round (the model it produced)")
+    export.add_argument(
+        "--round", type=int, help="the last closed round, checked (the model it produced) [the last closed round]"
+    )
     export.add_argument("output", help="OUT.safetensors")
-    export.add_argument("--config", type=Path, help="the server's TOML file (database_url, federation_name)")
+    export.add_argument("--config", type=Path, help="the server's TOML file (only its database_url, federation_name)")
     export.add_argument("--database-url", help=DB_HELP)
     export.set_defaults(func=cmd_aggregator_export)

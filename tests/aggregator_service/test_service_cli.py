@@ -73,3 +73,54 @@ def test_settings_from_toml_env_and_overrides(tmp_path, monkeypatch) -> None:
     assert AggregatorSettings(listen="0.0.0.0:50051", allow_insecure=True).listen == "0.0.0.0:50051"
     with pytest.raises(ValueError, match="tiers below 1"):
         AggregatorSettings(federation={"tiers": [1.0, 0.5]})
+
+
+def test_export_without_round_takes_the_last_closed_one_and_reads_only_the_store_keys_of_the_servers_file(
+    start_service, sqlite_url, tmp_path, capsys
+) -> None:
+    """The server's file, as deploy/ ships it for another machine: listening on all interfaces without TLS,
+    a spool directory and evaluation data that exist only there, a strategy plugin not installed here.
+    Export reads its database_url and nothing else; before, it refused to "serve without TLS"."""
+    svc = start_service(sqlite_url)
+    clients = [register(svc.stub, 1.0, d) for d in shards(2, 60)]
+    for c in clients:
+        c.round_trip()
+    server_file = tmp_path / "federation.toml"
+    server_file.write_text(
+        f'listen = "0.0.0.0:50051"\ndatabase_url = "{sqlite_url}"\nspool_dir = "/var/spool/fedatoms-absent"\n'
+        'eval_data = "/srv/absent-eval-images"\n[federation]\nstrategy = "absent_plugin.strategies:Mine"\n'
+    )
+    out = tmp_path / "model.safetensors"
+    assert main(["aggregator", "export", str(out), "--config", str(server_file)]) == 0
+    assert "global model after round 1 written to" in capsys.readouterr().out
+    served = global_tensors(sqlite_url)
+    exported = load_file(str(out))
+    assert all(torch.equal(exported[name], tensor) for name, (tensor, _v) in served.items())
+    assert main(["aggregator", "revoke", clients[0].client_id, "--config", str(server_file)]) == 0
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_export_and_revoke_on_a_wrong_database_say_so_in_one_line_and_create_nothing(
+    backend, tmp_path, capsys, request
+) -> None:
+    if backend == "sqlite":
+        missing = tmp_path / "no-such.db"
+        url, expected = f"sqlite:///{missing}", f"no database at {missing}"
+    else:
+        url, expected = request.getfixturevalue("postgres_url"), "never migrated"  # an empty schema
+    for argv in (
+        ["aggregator", "export", str(tmp_path / "m.safetensors"), "--database-url", url],
+        ["aggregator", "revoke", "some-client", "--database-url", url],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert expected in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "no-such.db").exists() and not (tmp_path / "m.safetensors").exists()
+    assert main(["aggregator", "export", "m.safetensors", "--database-url", "/tmp/fedatoms.db"]) == 2
+    assert "is not a database URL" in capsys.readouterr().err
+
+
+def test_export_to_a_directory_names_the_mistake(start_service, sqlite_url, tmp_path, capsys) -> None:
+    start_service(sqlite_url)
+    assert main(["aggregator", "export", str(tmp_path), "--database-url", sqlite_url]) == 2
+    assert "is a directory" in capsys.readouterr().err
