@@ -26,6 +26,7 @@ from aggregator_service.rounds import CohortSampler, Federation
 from aggregator_service.strategies import FedProx, Setting, accepts, build_strategy, strategy_class
 from aggregator_service.toml_settings import TomlSettings
 from aggregator_service.update_bounds import UpdateBounds
+from fedcore.data import benchmark_normalization
 from fedcore.datasource import describe
 from fedcore.model_input import Normalization
 from fedcore.spec import ModelSpec
@@ -183,6 +184,20 @@ class FederationConfig:
                 )
             self.normalization = norm.to_dict()
         self._check_personalization()
+
+    def record_benchmark_normalization(self, dataset: str) -> None:
+        """Training and evaluation on a bundled benchmark see pixels its loader normalized: the federation records
+        with what, so an exported model file carries it and ``fedatoms predict`` feeds raw images as training saw
+        them. A different normalization would be ignored by that loader: it is refused."""
+        mean, std = benchmark_normalization(dataset)
+        own = {"mean": list(mean), "std": list(std)}
+        if self.normalization is None:
+            self.normalization = own
+        elif Normalization.from_dict(self.normalization).to_dict() != own:
+            raise ValueError(
+                f"normalization {self.normalization} differs from {dataset}'s own, {own}, which its loader applies: "
+                "leave normalization unset with a benchmark dataset"
+            )
 
     def _check_personalization(self) -> None:
         """A personalization baseline composes with the method where the math allows; refused here otherwise."""
@@ -439,6 +454,12 @@ class AggregatorSettings(TomlSettings):
     def _check_listen(cls, value: str) -> str:
         split_listen(value)
         return value
+
+    @model_validator(mode="after")
+    def _record_eval_normalization(self) -> AggregatorSettings:
+        if self.eval_data is not None and describe(self.eval_data, "eval_data") == "bundled":
+            self.federation.record_benchmark_normalization(self.eval_data)  # the server evaluates what clients see
+        return self
 
     @model_validator(mode="after")
     def _check_security(self) -> AggregatorSettings:

@@ -310,7 +310,15 @@ class Agent:
         log.info("event=train round=%d fetched_bytes=%d due=%d", train.round, fetched_bytes, len(task.due))
         started = time.perf_counter()
         with self.compute_lock:
-            push = run_task(s, spec, task, self.train_data, personal_atoms=train.personal_atoms, progress=self.progress)
+            push = run_task(
+                s,
+                spec,
+                task,
+                self.train_data,
+                personal_atoms=train.personal_atoms,
+                progress=self.progress,
+                hold_strategy_state=True,  # kept when the server takes the update (_push_pending)
+            )
         bad = [k for k, v in push.metrics.items() if not math.isfinite(v)]
         bad += [
             n for n, t in {**push.tensors, **(push.control_delta or {})}.items() if not bool(torch.isfinite(t).all())
@@ -328,6 +336,7 @@ class Agent:
             push.tensors,
             push.control_delta,
             fp16=bool(task.strategy.get("fp16_transport")),
+            strategy_state=push.strategy_state or {},
         )
         s.last_round = train.round
         self._save()  # the update survives a crash from here on, with its id
@@ -353,11 +362,12 @@ class Agent:
             log.log(
                 level, "event=push_refused round=%d code=%s detail=%s", p.round, code.name, json.dumps(exc.details())
             )  # type: ignore[attr-defined]
-            s.pending = None
+            s.pending = None  # and its strategy state with it: the server never folds this update
             s.evaluate_round = p.round if self.test_data is not None else None
             self._save()
             return
         log.info("event=pushed round=%d duplicate=%s message=%s", p.round, reply.duplicate, json.dumps(reply.message))
+        s.strategy_state.update(p.strategy_state)
         s.pending = None
         s.evaluate_round = p.round if self.test_data is not None else None
         self._save(optional=True)

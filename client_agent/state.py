@@ -31,6 +31,7 @@ __all__ = ["STATE_FILE", "ClientState", "PendingUpdate"]
 STATE_FILE = "state.safetensors"
 _FORMAT = 1
 _STRATEGY = "strategy."  # group prefix of the strategy state ("strategy.control", …)
+_PENDING_STRATEGY = "pending_strategy."  # and of the pending update's, not yet kept
 
 
 @dataclass
@@ -44,6 +45,9 @@ class PendingUpdate:
     tensors: dict[str, Tensor]
     control_delta: dict[str, Tensor] | None = None
     fp16: bool = False  # the federation's transport precision, as the task said
+    #: the strategy state this update's training produced, kept once the server takes the update and dropped
+    #: if it refuses it: SCAFFOLD's c = mean c_i (FedDyn's h, FedDC's H likewise) holds only over updates folded
+    strategy_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -91,6 +95,7 @@ class ClientState:
             "personal_model": self.personal_model,
             "pending": p.tensors if p else None,
             "pending_delta": p.control_delta if p else None,
+            **{f"{_PENDING_STRATEGY}{g}": values for g, values in (p.strategy_state if p else {}).items()},
         }
 
     def save(self, directory: str | Path, *, fsync: bool = True) -> Path:
@@ -190,5 +195,10 @@ class ClientState:
                 tensors=groups.get("pending", {}),
                 control_delta=groups.get("pending_delta"),
                 fp16=bool(p.get("fp16", False)),
+                strategy_state={
+                    g.removeprefix(_PENDING_STRATEGY): values
+                    for g, values in groups.items()
+                    if g.startswith(_PENDING_STRATEGY)
+                },
             )
         return state

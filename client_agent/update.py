@@ -42,6 +42,9 @@ class ClientPush:
     num_samples: int
     metrics: dict[str, float]
     control_delta: dict[str, Tensor] | None = None
+    #: with ``hold_strategy_state``: the client's new strategy state (SCAFFOLD's c_i, FedDyn's ∇L_k, FedDC's
+    #: h_i), to keep only once the server has taken the update
+    strategy_state: dict[str, dict[str, Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ def run_task(
     train_data: Dataset,
     personal_atoms: bool = False,
     progress: bool = False,
+    hold_strategy_state: bool = False,
 ) -> ClientPush:
     """Train ``state`` for ``task``; with ``progress`` a bar advances per local epoch.
 
@@ -120,8 +124,12 @@ def run_task(
     state.last_config, state.last_seed = task.config.to_dict(), task.seed
     if result.personal_atoms is not None:
         state.personal_atoms = result.personal_atoms
+    held = None
     if result.strategy_state is not None:
-        state.strategy_state.update(result.strategy_state)
+        if hold_strategy_state:
+            held = result.strategy_state
+        else:
+            state.strategy_state.update(result.strategy_state)
     state.rounds_joined += 1
     return ClientPush(
         round=task.round,
@@ -129,6 +137,7 @@ def run_task(
         num_samples=result.num_samples,
         metrics=result.metrics,
         control_delta=result.control_delta,
+        strategy_state=held,
     )
 
 

@@ -94,6 +94,7 @@ class SimulationConfig(FederationConfig):
             shape = model_info(self.model).input_shape if is_zoo(self.model) else tuple(self.input_shape or ())
             if expected is not None and shape != expected:
                 raise ValueError(f"model {self.model!r} takes inputs {shape}, but {self.dataset} images are {expected}")
+            self.record_benchmark_normalization(self.dataset)
         if self.clients < 1:
             raise ValueError("clients must be ≥ 1")
         if self.engine not in ENGINES:

@@ -11,6 +11,7 @@ read from a data directory and downloaded only when asked to.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ __all__ = [
     "SCHEMES",
     "ArrayDataset",
     "DatasetNotFoundError",
+    "benchmark_normalization",
     "check_labels",
     "known_labels",
     "labels_of",
@@ -112,7 +114,9 @@ def load_dataset(
     return _load_torchvision(key, Path(data_dir).expanduser() if data_dir is not None else DEFAULT_DATA_DIR, download)
 
 
-def _load_digits() -> tuple[ArrayDataset, ArrayDataset]:
+@functools.cache
+def _digits_pixels() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """sklearn's digits as [0, 1] pixels, labels, and the fixed stratified train and test indices."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -120,8 +124,24 @@ def _load_digits() -> tuple[ArrayDataset, ArrayDataset]:
     x = (np.asarray(bunch.images, dtype=np.float32) / 16.0)[:, None, :, :]
     y = np.asarray(bunch.target, dtype=np.int64)
     train_idx, test_idx = train_test_split(np.arange(len(y)), test_size=0.2, stratify=y, random_state=0)
-    train_idx, test_idx = np.sort(train_idx), np.sort(test_idx)
-    mean, std = float(x[train_idx].mean()), float(x[train_idx].std())
+    return x, y, np.sort(train_idx), np.sort(test_idx)
+
+
+def benchmark_normalization(name: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The per-channel ``(mean, std)`` a bundled benchmark's loader normalizes its [0, 1] pixels with: what a
+    model trained on it expects of an image, so a model file must carry it (``fedatoms predict`` reads it)."""
+    key = name.lower()
+    if key == "digits":
+        x, _, train_idx, _ = _digits_pixels()
+        return (float(x[train_idx].mean()),), (float(x[train_idx].std()),)
+    if key not in _NORMALIZATION:
+        raise ValueError(f"{name!r} is not a bundled benchmark; choose one of digits, {', '.join(_NORMALIZATION)}")
+    return _NORMALIZATION[key]
+
+
+def _load_digits() -> tuple[ArrayDataset, ArrayDataset]:
+    x, y, train_idx, test_idx = _digits_pixels()
+    (mean,), (std,) = benchmark_normalization("digits")
     x = (x - mean) / std
 
     def make(idx: np.ndarray) -> ArrayDataset:

@@ -173,3 +173,28 @@ def test_client_state_from_another_database_is_refused_in_one_line(tmp_path: Pat
     with pytest.raises(ValueError, match="does not know this client") as info:
         run_simulation(SimulationConfig(**keys), database_url=f"sqlite:///{tmp_path / 'b.db'}", state_dir=state)
     assert "client-000000" in str(info.value) and "give a new --state-dir" in str(info.value)
+
+
+def test_a_benchmark_simulation_records_the_normalization_its_loader_applies() -> None:
+    """The digits loader maps raw pixel 0 to its minimum and 16/16 to its maximum: the (mean, std) it used,
+    derived from its output, is what the federation records (and an export carries); another is refused."""
+    from aggregator_service.config import AggregatorSettings, FederationConfig
+    from fedcore.data import load_dataset
+
+    train, _ = load_dataset("digits")
+    std = 1.0 / float(train.x.max() - train.x.min())
+    mean = -float(train.x.min()) * std
+    recorded = SimulationConfig(dataset="digits").normalization
+    assert recorded is not None
+    assert recorded["mean"] == pytest.approx([mean], abs=1e-6) and recorded["std"] == pytest.approx([std], abs=1e-6)
+    assert SimulationConfig(dataset="mnist", data_dir="/nonexistent").normalization == {
+        "mean": [0.1307],
+        "std": [0.3081],
+    }
+    with pytest.raises(ValueError, match="differs from digits's own"):
+        SimulationConfig(dataset="digits", normalization={"mean": [0.5], "std": [0.5]})
+    served = AggregatorSettings(eval_data="digits").federation.normalization
+    assert served == recorded
+    with pytest.raises(ValueError, match="differs from digits's own"):
+        AggregatorSettings(eval_data="digits", federation=FederationConfig(normalization={"mean": [0.5], "std": [0.5]}))
+    assert AggregatorSettings().federation.normalization is None  # no benchmark named: nothing assumed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,12 @@ def cmd_predict(args: argparse.Namespace) -> int:
     allowed = tuple(a for a in args.allow_model if a != "none") if args.allow_model else DEFAULT_ALLOWED_MODELS
     check_reference(spec.model, allowed)
     model = file.plain_model()
+    if file.normalization is None:
+        print(
+            f"fedatoms predict: {args.model} records no normalization, so images go in as [0, 1] pixels; a model "
+            "whose clients normalized their own images expects otherwise (set [federation] normalization)",
+            file=sys.stderr,
+        )
     batch = torch.stack([load_image(Path(p), spec.input_shape, file.normalization) for p in args.images])
     with torch.no_grad():
         probabilities = torch.softmax(model(batch), dim=1)

@@ -10,7 +10,7 @@ import time
 class LinkProxy:
     """A TCP proxy to ``127.0.0.1:upstream`` that a test makes bad.
 
-    - ``rate``: bytes per second each way (None: as fast as loopback);
+    - ``rate``: bytes per second each way (None: as fast as loopback); ``up_rate``: client→server only;
     - ``cut_after`` client→server bytes: the connection is dropped there, once, while :attr:`armed`;
     - ``cut_down_after`` server→client bytes: every connection is dropped there (a link that keeps
       failing midway through a download).
@@ -21,15 +21,17 @@ class LinkProxy:
         upstream: int,
         *,
         rate: float | None = None,
+        up_rate: float | None = None,
         cut_after: int | None = None,
         cut_down_after: int | None = None,
     ) -> None:
-        self.upstream, self.rate = upstream, rate
+        self.upstream, self.rate, self.up_rate = upstream, rate, up_rate
         self.cut_after, self.cut_down_after = cut_after, cut_down_after
         self.armed = False
         self.cuts = 0
         self.connections = 0
         self.down_bytes = 0  # server→client bytes moved, over every connection
+        self.up_bytes = 0  # and client→server
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -51,7 +53,8 @@ class LinkProxy:
 
     def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
         sent = 0
-        block = 65536 if self.rate is None else max(1, min(65536, int(self.rate / 20)))
+        rate = self.up_rate if upstream and self.up_rate is not None else self.rate
+        block = 65536 if rate is None else max(1, min(65536, int(rate / 20)))
         try:
             while data := src.recv(block):
                 if not upstream and self.cut_down_after is not None and sent + len(data) > self.cut_down_after:
@@ -62,14 +65,16 @@ class LinkProxy:
                     break
                 dst.sendall(data)
                 sent += len(data)
-                if not upstream:
+                if upstream:
+                    self.up_bytes += len(data)
+                else:
                     self.down_bytes += len(data)
                 if upstream and self.armed and self.cut_after is not None and sent > self.cut_after:
                     self.armed = False
                     self.cuts += 1
                     break
-                if self.rate is not None:  # each block takes its time: an idle link saves up no credit
-                    time.sleep(len(data) / self.rate)
+                if rate is not None:  # each block takes its time: an idle link saves up no credit
+                    time.sleep(len(data) / rate)
         except OSError:
             pass
         for s in (src, dst):

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.server import build_server
+from client_agent.state import ClientState
 from client_agent.transport import AggregatorClient, Backoff
 from fedcore.tiers import CapabilityProfile
 
@@ -144,3 +146,78 @@ def test_sigterm_while_the_agent_waits_on_a_dead_link_exits_130_at_once(tmp_path
     assert code == 130, log.read_text()[-3000:]
     assert took < 5.0, f"exited {took:.1f} s after SIGTERM"
     assert "event=stopped" in log.read_text()
+
+
+def test_a_push_that_arrives_after_its_round_closed_leaves_the_clients_strategy_state_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """SCAFFOLD's server control is the mean of the clients' controls, c = (1/N) Σ c_i, only if a client keeps
+    its new c_i when, and only when, the server folds its update. Client b's push crawls up a slow link and
+    arrives after round 1 closed on a's update alone (quorum 0.5): refused, so b's c_i stays zero."""
+    from datetime import timedelta
+
+    from client_agent.agent import Agent
+    from fedcore.data import load_dataset
+
+    url = f"sqlite:///{tmp_path / 'agg.db'}"
+    settings = AggregatorSettings(
+        listen="127.0.0.1:0",
+        database_url=url,
+        enrollment_secret=SECRET,
+        quorum=0.5,
+        poll_interval_seconds=0.01,
+        federation=FederationConfig(
+            model="digits-cnn", strategy="scaffold", fraction=1.0, min_clients=2, rounds=2, batch_size=32
+        ),
+    )
+    store.upgrade(url)
+    coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
+    server, port, _ = build_server(settings, coordinator, max_workers=8)
+    server.start()
+    proxy = LinkProxy(port, up_rate=200_000)  # b's 1.2 MB push (update and control delta) takes about 6 s
+    train, test = load_dataset("digits")
+    links = {"a": AggregatorClient(f"127.0.0.1:{port}"), "b": AggregatorClient(proxy.target)}
+    agents = {
+        name: Agent(
+            link,
+            tmp_path / name,
+            train.subset(torch.arange(i * 100, (i + 1) * 100).numpy()),
+            test.subset(torch.arange(50).numpy()),
+            profile=CapabilityProfile(num_samples=100),
+            enrollment_secret=SECRET,
+            eval_poll_seconds=0.0,
+        )
+        for i, (name, link) in enumerate(links.items())
+    }
+    try:
+        for agent in agents.values():
+            agent.ensure_registered()
+        a, b = agents["a"], agents["b"]
+        for _ in range(20):
+            a.step()
+            if a.state is not None and a.state.evaluate_round == 1:
+                break
+        assert a.state is not None and a.state.evaluate_round == 1  # a pushed; round 1 waits for b
+        late = threading.Thread(target=b.step)
+        late.start()
+        deadline = time.monotonic() + 120
+        while proxy.up_bytes < 200_000 and late.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)  # b has trained and its push is on the wire
+        assert proxy.up_bytes >= 200_000
+        coordinator.tick(coordinator.shared.open.deadline + timedelta(seconds=1))  # quorum met: closes on a alone
+        late.join(120)
+        assert b.state is not None and b.state.pending is None and b.state.last_round == 1  # trained, refused
+        control = links["a"].fetch(a.spec, {}, include_server_control=True).control  # type: ignore[arg-type]
+    finally:
+        for link in links.values():
+            link.close()
+        proxy.close()
+        server.stop(grace=None)
+    saved = {name: ClientState.load(tmp_path / name) for name in agents}
+    c_a = saved["a"].strategy_state["control"]  # type: ignore[union-attr]
+    c_b = saved["b"].strategy_state.get("control", {})  # type: ignore[union-attr]
+    assert c_a and any(bool(t.any()) for t in c_a.values())
+    for name, c in control.items():  # N = 2 enrolled: c = (c_a + c_b) / 2, with c_b never kept
+        mean = (c_a[name] + c_b.get(name, torch.zeros_like(c_a[name]))) / 2
+        torch.testing.assert_close(c, mean, rtol=1e-5, atol=1e-7)
+    assert all(not bool(t.any()) for t in c_b.values())

@@ -25,7 +25,14 @@ def test_state_round_trips_with_a_pending_update(tmp_path: Path) -> None:
         last_round=4,
     )
     state.pending = PendingUpdate(
-        5, "u-5", 40, {"train_loss": 0.7}, {"a": torch.ones(2, 3)}, {"a": torch.zeros(2, 3)}, True
+        5,
+        "u-5",
+        40,
+        {"train_loss": 0.7},
+        {"a": torch.ones(2, 3)},
+        {"a": torch.zeros(2, 3)},
+        True,
+        strategy_state={"control": {"a": torch.full((2, 3), 0.25)}},  # kept only once the push is taken
     )
     state.save(tmp_path)
     back = ClientState.load(tmp_path)
@@ -57,7 +64,10 @@ def test_state_round_trips_with_a_pending_update(tmp_path: Path) -> None:
         True,
     )
     assert p.control_delta is not None and torch.equal(p.control_delta["a"], torch.zeros(2, 3))
-    assert set(back.strategy_state) == {"control", "drift"}
+    assert set(back.strategy_state) == {"control", "drift"}  # the pending update's is not among them
+    assert set(p.strategy_state) == {"control"} and torch.equal(
+        p.strategy_state["control"]["a"], torch.full((2, 3), 0.25)
+    )
 
 
 def test_no_state_yet_and_a_foreign_file_is_refused(tmp_path: Path) -> None:
