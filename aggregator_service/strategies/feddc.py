@@ -74,6 +74,9 @@ class FedDC(DriftFold, Scaffold):
             result.tensors[name] = (means[name] + self.drift.get64(name, drift)).to(dtype)
         return result
 
+    def _means_over_clients(self) -> list[dict[str, Tensor]]:
+        return [*super()._means_over_clients(), self.drift.values]
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "drift": self.drift.state()}
 

@@ -19,7 +19,7 @@ from torch import Tensor
 from aggregator_service.strategies.base import RoundAccumulator, Setting
 from aggregator_service.strategies.drift import DriftAccumulator, DriftFold, mean_drift, trainable_shapes
 from aggregator_service.strategies.fedavg import FedAvg
-from aggregator_service.strategies.tensor_state import TensorState
+from aggregator_service.strategies.tensor_state import TensorState, follow_enrolment
 from aggregator_service.updates import AggregateResult, ClientUpdate
 from fedcore.spec import ModelSpec
 
@@ -66,6 +66,7 @@ class FedDyn(DriftFold, FedAvg):
         self.alpha = float(alpha)
         self.spec = spec
         self.h = TensorState("h")
+        self._averaged_over: int | None = None  # the N h is a mean over (follow_enrolment)
 
     @classmethod
     def refuse(cls, setting: Setting) -> str | None:
@@ -85,6 +86,7 @@ class FedDyn(DriftFold, FedAvg):
     def finish(self, acc: RoundAccumulator, global_tensors: Mapping[str, Tensor]) -> AggregateResult:
         if not isinstance(acc, DriftAccumulator):
             raise TypeError(f"{type(self).__name__}.finish needs the accumulator its begin returned")
+        self._averaged_over = follow_enrolment([self.h.values], self._averaged_over, self.num_clients_total)
         result = super().finish(acc, global_tensors)
         if self.alpha == 0:
             return result  # no regularizer, h ≡ 0: FedAvg
@@ -96,9 +98,11 @@ class FedDyn(DriftFold, FedAvg):
         return result
 
     def state_dict(self) -> dict[str, Any]:
-        return {"h": self.h.state()}
+        return {"h": self.h.state(), "averaged_over": self._averaged_over}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._averaged_over = state.get("averaged_over")  # absent (saved before it was kept): today's N
+        state = {k: v for k, v in state.items() if k != "averaged_over"}
         unknown = set(state) - {"h"}
         if unknown:
             raise ValueError(f"unknown FedDyn state keys {sorted(unknown)}")

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from aggregator_service.strategies.base import RoundAccumulator, Setting
 from aggregator_service.strategies.fedavg import FedAvg
+from aggregator_service.strategies.tensor_state import follow_enrolment
 from aggregator_service.updates import AggregateResult, ClientUpdate
 from aggregator_service.weighted_mean import WeightedMean, is_float
 from fedcore.spec import ModelSpec
@@ -77,6 +78,7 @@ class Scaffold(FedAvg):
         self.global_lr = float(global_lr)
         self.spec = spec.full() if spec is not None else None
         self._controls: dict[str, Tensor] = {}
+        self._averaged_over: int | None = None  # the N the controls are a mean over (follow_enrolment)
 
     def client_config(self) -> dict[str, Any]:
         return {"scaffold": True}
@@ -142,6 +144,7 @@ class Scaffold(FedAvg):
     def finish(self, acc: RoundAccumulator, global_tensors: Mapping[str, Tensor]) -> AggregateResult:
         if not isinstance(acc, ScaffoldAccumulator):
             raise TypeError("Scaffold.finish needs the accumulator Scaffold.begin returned")
+        self._averaged_over = follow_enrolment(self._means_over_clients(), self._averaged_over, self.num_clients_total)
         result = super().finish(acc, global_tensors)
         reporting = acc.controls.count
         if reporting:
@@ -153,10 +156,20 @@ class Scaffold(FedAvg):
                 self._controls[name] = (base + ratio * mean_delta).to(dtype)
         return result
 
+    def _means_over_clients(self) -> list[dict[str, Tensor]]:
+        """The state that is a mean over all N clients (rescaled when N changes)."""
+        return [self._controls]
+
     def state_dict(self) -> dict[str, Any]:
-        return {"server_control": {n: c.clone() for n, c in self._controls.items()}}
+        return {
+            "server_control": {n: c.clone() for n, c in self._controls.items()},
+            "averaged_over": self._averaged_over,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        # a state saved before averaged_over was kept: taken as a mean over today's N
+        self._averaged_over = state.get("averaged_over")
+        state = {k: v for k, v in state.items() if k != "averaged_over"}
         unknown = set(state) - {"server_control"}
         if unknown:
             raise ValueError(f"unknown {self.name} state keys {sorted(unknown)}")

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-__all__ = ["TensorState"]
+__all__ = ["TensorState", "follow_enrolment"]
 
 
 class TensorState:
@@ -44,3 +44,16 @@ class TensorState:
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"{self.label} state {name!r} holds non-finite values")
         self.values = loaded
+
+
+def follow_enrolment(groups: list[dict[str, Tensor]], averaged_over: int | None, clients: int) -> int:
+    """Rescale state that is a mean over all ``N`` clients, ``(1/N) Σ_i s_i`` (SCAFFOLD's ``c``, FedDyn's
+    ``h``, FedDC's ``H``), from the ``N`` it was averaged over to ``clients`` now enrolled, in place; returns
+    ``clients``. The sum ``Σ_i s_i`` does not change when a client enrolls (its ``s_i`` starts at zero) or
+    leaves, but ``1/N`` does: without this, a round closed when few had enrolled kept its ``1/N`` for good."""
+    if averaged_over is not None and averaged_over != clients:
+        factor = averaged_over / clients
+        for group in groups:
+            for name, t in group.items():
+                group[name] = (t.to(torch.float64) * factor).to(t.dtype)
+    return clients
