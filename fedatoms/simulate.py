@@ -30,6 +30,7 @@ from fedatoms.engines.local import LocalClients, account
 from fedatoms.records import TOTALS, accumulate, mean_or_none, summarize
 from fedcore.data import INPUT_SHAPES, NUM_CLASSES, num_classes_of
 from fedcore.datasource import describe, open_data
+from fedcore.model_file import write_model_file
 from fedcore.model_input import Normalization, fit_to_model
 from fedcore.models import model_info
 from fedcore.reference import is_zoo
@@ -152,8 +153,14 @@ ProgressFn = Callable[[dict[str, Any]], None]
 TRANSPORTS = ("inprocess", "grpc")
 
 
-def run_simulation(config: SimulationConfig, progress: ProgressFn | None = None, **grpc_options: Any) -> dict[str, Any]:
-    """Run ``config.rounds`` rounds and return ``{"config", "rounds", "summary"}``.
+def run_simulation(
+    config: SimulationConfig,
+    progress: ProgressFn | None = None,
+    model_out: str | Path | None = None,
+    **grpc_options: Any,
+) -> dict[str, Any]:
+    """Run ``config.rounds`` rounds and return ``{"config", "rounds", "summary"}``; with ``model_out``, the final
+    global model is written there as a model file (what ``fedatoms aggregator export`` writes).
 
     ``transport="grpc"`` goes through a real aggregator and real client agents
     (:func:`fedatoms.simulate_grpc.run_grpc_simulation`, which takes ``grpc_options``);
@@ -169,17 +176,19 @@ def run_simulation(config: SimulationConfig, progress: ProgressFn | None = None,
             from client_agent.ray_pool import ray_session
 
             with ray_session(config.ray_address, config.ray_num_cpus):
-                return _run(config, progress, grpc_options)
-        return _run(config, progress, grpc_options)
+                return _run(config, progress, model_out, grpc_options)
+        return _run(config, progress, model_out, grpc_options)
     finally:
         torch.set_num_threads(previous)
 
 
-def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: dict[str, Any]) -> dict[str, Any]:
+def _run(
+    config: SimulationConfig, progress: ProgressFn | None, model_out: str | Path | None, grpc_options: dict[str, Any]
+) -> dict[str, Any]:
     if config.transport == "grpc":
         from fedatoms.simulate_grpc import run_grpc_simulation
 
-        return run_grpc_simulation(config, progress, **grpc_options)
+        return run_grpc_simulation(config, progress, model_out=model_out, **grpc_options)
     if config.transport != "inprocess":
         raise ValueError(f"unknown transport {config.transport!r}; choose one of {', '.join(TRANSPORTS)}")
     if grpc_options:
@@ -238,6 +247,9 @@ def _run(config: SimulationConfig, progress: ProgressFn | None, grpc_options: di
                 progress(record)
     finally:
         pool.close()
+    if model_out is not None:
+        metadata = {"federation": "simulation", "round": str(config.rounds), "normalization": config.normalization}
+        write_model_file(model_out, config.spec, dict(federation.global_tensors), metadata)
     summary = summarize(records, totals, time.perf_counter() - started)
     return {"config": config.to_dict(), "rounds": records, "summary": summary}
 

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
+from aggregator_service.export import export_global_model
 from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS
 from client_agent.pool import register_all, run_grpc_pool
 from fedatoms.records import CATEGORY_TOTALS, TOTALS, accumulate, mean_or_none, summarize
@@ -49,6 +50,7 @@ def run_grpc_simulation(
     state_dir: str | None = None,
     tls_ca: str | None = None,
     announce: Callable[[str], None] | None = None,
+    model_out: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the federation through gRPC; returns ``{"config", "rounds", "summary"}`` like the in-process run."""
     say = announce or (lambda text: print(text, file=sys.stderr))
@@ -141,6 +143,8 @@ def run_grpc_simulation(
         records = records_from_store(database_url, federation_name)
         if not records:
             raise RuntimeError(f"no round closed in {database_url}")
+        if model_out is not None:
+            export_global_model(database_url, None, model_out, federation_name)
         for r in records:
             if faults.get(r["round"]):
                 r["faults"] = faults[r["round"]]

@@ -290,3 +290,22 @@ def test_cli_demo_runs_again_in_the_same_output_directory(tmp_path: Path):
         assert "global test accuracy" in proc.stdout
     results = json.loads((tmp_path / "demo-results.json").read_text())
     assert [r["round"] for r in results["rounds"]] == [1]
+
+
+@pytest.mark.parametrize("transport", ["inprocess", "grpc"])
+def test_save_model_writes_the_model_the_record_evaluated(transport: str, tmp_path) -> None:
+    """The saved file, loaded as a user would, scores on the digits test split exactly the record's final
+    test accuracy (the server's evaluation of the same model), and carries the loader's normalization."""
+    from fedatoms import load_model
+    from fedcore.data import load_dataset
+    from fedcore.model_file import read_model_file
+    from fedcore.training import evaluate
+
+    config = SimulationConfig(**{**SMALL, "rounds": 2, "lr": 0.05}, factorization="atoms", transport=transport)
+    out = tmp_path / "model.safetensors"
+    options = {"workers": 1} if transport == "grpc" else {}
+    record = run_simulation(config, model_out=out, **options)["rounds"][-1]
+    model = load_model(out)
+    assert evaluate(model, load_dataset("digits")[1], device="cpu").accuracy == record["test_accuracy"]
+    assert record["test_accuracy"] > 0.2  # learned something: a model left at its start would not tell
+    assert read_model_file(out).normalization == config.normalization

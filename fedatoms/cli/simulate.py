@@ -288,7 +288,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fedatoms.simulate import run_simulation, write_results
 
     config = _config_from_args(args)
-    results = run_simulation(config, progress=progress_printer(config.rounds), **_grpc_options(args))
+    results = run_simulation(
+        config, progress=progress_printer(config.rounds), model_out=args.save_model, **_grpc_options(args)
+    )
+    if args.save_model is not None:
+        print(f"final global model written to {args.save_model} (fedatoms predict, fedatoms.load_model)")
     if config.output:
         write_results(results, config.output)
         print(f"results written to {config.output}")
@@ -311,6 +315,12 @@ def add_parser(sub: Any) -> None:
     sim = sub.add_parser("simulate", help="run a whole federation on this machine and record every round")
     _add_simulation_flags(sim)
     sim.add_argument("--quiet-json", action="store_true", help="do not print the summary JSON")
+    sim.add_argument(
+        "--save-model",
+        type=Path,
+        metavar="OUT.safetensors",
+        help="write the final global model as a model file (what `fedatoms aggregator export` writes)",
+    )
     g = sim.add_argument_group("--transport grpc")
     g.add_argument("--server", help="HOST:PORT of a running aggregator (default: start one on a loopback port)")
     g.add_argument("--database-url", help="the aggregator's database [a new SQLite file, printed at start]")
