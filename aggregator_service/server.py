@@ -25,6 +25,7 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from sqlalchemy.engine import make_url
 from torch import Tensor
 
 from aggregator_service import request_checks, store
@@ -616,14 +617,20 @@ def _serve(settings: AggregatorSettings, lock: store.FederationLock) -> int:
             tls=settings.tls,
             mtls=settings.tls_client_ca is not None,
             federation=settings.federation_name,
-            database=settings.database_url,
+            database=make_url(settings.database_url).render_as_string(hide_password=True),
         )
     )
     code = 0
+    unreachable = False
     while not stop.wait(LOCK_CHECK_SECONDS):
         try:
             if lock.check():
                 log.warning(kv("federation_lock_retaken", hint="the database session that held it had ended"))
+            unreachable = False
+        except store.LockUnconfirmed as exc:  # the database is away (a restart, a failover): wait for it
+            if not unreachable:
+                log.error(kv("database_unreachable", detail=str(exc), hint="serving on; checking every 5 s"))
+            unreachable = True
         except store.FederationBusy as exc:  # another aggregator serves it now: this one must not
             log.error(kv("federation_lock_lost", detail=str(exc)))
             code = 1

@@ -44,7 +44,7 @@ from .models import (
     UpdateTensor,
     utcnow,
 )
-from .ownership import FederationBusy, FederationLock, exclusive_federation
+from .ownership import FederationBusy, FederationLock, LockUnconfirmed, exclusive_federation
 from .repository import (
     ENROLLMENT_PBKDF2_ITERATIONS,
     ROUND_METRIC_FIELDS,
@@ -123,6 +123,7 @@ __all__ = [
     "FederationExists",
     "FederationLock",
     "GlobalTensor",
+    "LockUnconfirmed",
     "NotFound",
     "NotInCohort",
     "Round",

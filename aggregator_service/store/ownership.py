@@ -28,7 +28,7 @@ from sqlalchemy.pool import NullPool
 
 from .engine import create_engine_for
 
-__all__ = ["FederationBusy", "FederationLock", "exclusive_federation"]
+__all__ = ["FederationBusy", "FederationLock", "LockUnconfirmed", "exclusive_federation"]
 
 
 class FederationBusy(RuntimeError):
@@ -38,6 +38,12 @@ class FederationBusy(RuntimeError):
 _PG_TRY_LOCK = text(
     "SELECT pg_try_advisory_lock(hashtextextended(current_database() || '/' || current_schema() || '/' || :name, 0))"
 )
+
+
+class LockUnconfirmed(RuntimeError):
+    """The database did not answer, so the lock could neither be confirmed nor taken again: the server keeps
+    serving (its writes fail until the database is back) and checks again; a restart of PostgreSQL, a failover
+    or a network cut is no reason to exit."""
 
 
 class FederationLock:
@@ -73,7 +79,14 @@ class _AdvisoryLock(FederationLock):
             return False
         except (DBAPIError, AssertionError):
             self.release()
-        if not self.take():
+        try:
+            taken = self.take()
+        except DBAPIError as exc:
+            raise LockUnconfirmed(
+                f"cannot confirm the lock on federation {self.name!r}: the database does not answer "
+                f"({str(getattr(exc, 'orig', None) or exc).strip().splitlines()[0]})"
+            ) from exc
+        if not taken:
             where = make_url(self.url).render_as_string(hide_password=True)
             raise FederationBusy(_busy(self.name, where, " (it took the lock after this one's session ended)"))
         return True

@@ -6,12 +6,15 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_helpers import SECRET, free_port, wait_serving
+from links import LinkProxy
+from sqlalchemy.engine import make_url
 from support import postgres_base, postgres_schema
 
 from aggregator_service import store
@@ -149,3 +152,62 @@ def test_a_lock_whose_session_ended_is_taken_again_or_given_up(pg_url: str) -> N
         with store.exclusive_federation(url, "default"):  # another aggregator got it first
             with pytest.raises(store.FederationBusy, match="took the lock after this one's session ended"):
                 lock.check()
+
+
+def _through(url: str, proxy: LinkProxy, password: str | None = None) -> str:
+    u = make_url(url).set(host="127.0.0.1", port=proxy.port)
+    return (u.set(password=password) if password else u).render_as_string(hide_password=False)
+
+
+def test_a_lock_the_database_cannot_confirm_says_so_and_is_taken_again_when_it_answers(pg_url: str) -> None:
+    """Before, the failed reconnect raised OperationalError out of the server's loop: exit 1 on any database
+    restart longer than one check."""
+    upstream = make_url(pg_url).port or 5432
+    proxy = LinkProxy(upstream)
+    try:
+        with store.exclusive_federation(_through(pg_url, proxy), "default") as lock:
+            assert lock.check() is False
+            proxy.go_down()
+            with pytest.raises(store.LockUnconfirmed, match="the database does not answer"):
+                lock.check()
+            with pytest.raises(store.LockUnconfirmed):
+                lock.check()  # still away
+            proxy.come_back()
+            assert lock.check() is True  # taken again
+            assert lock.check() is False
+    finally:
+        proxy.close()
+
+
+def test_the_aggregator_outlives_a_database_restart_and_never_logs_its_password(pg_url: str, tmp_path: Path) -> None:
+    """PostgreSQL away for 8 s (more than one 5 s lock check), then back: the aggregator keeps serving, says
+    so once, takes its lock again, and registers a client. The URL's password (trust auth accepts any)
+    appears nowhere in its log."""
+    upstream = make_url(pg_url).port or 5432
+    proxy = LinkProxy(upstream)
+    port, log = free_port(), tmp_path / "server.log"
+    proc = _start(_cmd(tmp_path, _through(pg_url, proxy, "s3cret-pw"), port), log)
+    try:
+        assert _registers(port)
+        proxy.go_down()
+        deadline = time.monotonic() + 30
+        while "event=database_unreachable" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        time.sleep(3)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        proxy.come_back()
+        deadline = time.monotonic() + 30
+        while "event=federation_lock_retaken" not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert "event=federation_lock_retaken" in log.read_text()
+        assert _registers(port)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+        proxy.close()
+    text_ = log.read_text()
+    assert text_.count("event=database_unreachable") == 1
+    assert "s3cret-pw" not in text_ and "event=serving" in text_

@@ -34,19 +34,21 @@ class LinkProxy:
         self.up_bytes = 0  # and client→server
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._open: set[socket.socket] = set()
+        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def _accept(self) -> None:
+    def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
-                down, _ = self.listener.accept()
+                down, _ = listener.accept()
             except OSError:
                 return
             up = socket.create_connection(("127.0.0.1", self.upstream))
+            self._open |= {down, up}
             self.connections += 1
             threading.Thread(target=self._pump, args=(down, up, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(up, down, False), daemon=True).start()
@@ -85,4 +87,27 @@ class LinkProxy:
             s.close()
 
     def close(self) -> None:
+        self._stop_listening()
+
+    def _stop_listening(self) -> None:
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread: a bare close() would not
+        except OSError:
+            pass
         self.listener.close()
+
+    def go_down(self) -> None:
+        """The link fails: open connections drop and new ones are refused, until :meth:`come_back`."""
+        self._stop_listening()
+        for sock in list(self._open):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+        self._open.clear()
+
+    def come_back(self) -> None:
+        """The link is back, on the same port."""
+        self.listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
