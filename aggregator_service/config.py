@@ -266,6 +266,7 @@ class FederationConfig:
             "spec": self.spec,
             "mu": self.mu,
             "global_lr": self.global_lr,
+            "fp16_transport": self.fp16,
         }
         clash = sorted(set(self.strategy_args) & set(offered))
         if clash:

@@ -55,12 +55,16 @@ class DriftFold:
 
 
 def mean_drift(
-    acc: DriftAccumulator, global_tensors: Mapping[str, Tensor], num_clients_total: int
+    acc: DriftAccumulator, global_tensors: Mapping[str, Tensor], num_clients_total: int, fp16: bool = False
 ) -> dict[str, Tensor]:
-    """``D = (1/N) Σ_{k∈S} (y_k − x)`` per trainable tensor the clients reported, in float64."""
+    """``D = (1/N) Σ_{k∈S} (y_k − x)`` per trainable tensor the clients reported, in float64.
+
+    ``fp16``: clients started from ``x`` as float16 transport delivered it, and count their drift from there
+    (:class:`fedcore.training.terms.LocalTerms`): so does the server, or the two sums part by the rounding."""
     count = acc.uniform.count
     out = {}
     for name, mean in acc.uniform.mean(cast=False).items():
-        x = global_tensors[name].detach().to(torch.float64)
+        x = global_tensors[name].detach()
+        x = (x.to(torch.float16) if fp16 else x).to(torch.float64)
         out[name] = (count / max(num_clients_total, count)) * (mean - x)
     return out

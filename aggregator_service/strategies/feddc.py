@@ -44,6 +44,7 @@ class FedDC(DriftFold, Scaffold):
         keep_local_buffers: bool = False,
         bn_statistics: str = "precise",
         spec: ModelSpec | None = None,
+        fp16_transport: bool = False,
     ) -> None:
         super().__init__(
             num_clients_total, 1.0, weighting, temperature, keep_local_buffers, bn_statistics=bn_statistics, spec=spec
@@ -51,6 +52,7 @@ class FedDC(DriftFold, Scaffold):
         if not (alpha >= 0 and math.isfinite(alpha)):
             raise ValueError(f"alpha must be ≥ 0, got {alpha}")
         self.alpha = float(alpha)
+        self.fp16_transport = fp16_transport  # the clients' drifts start from x as fp16 delivers it
         self.drift = TensorState("drift")
 
     @classmethod
@@ -68,7 +70,7 @@ class FedDC(DriftFold, Scaffold):
             raise TypeError(f"{type(self).__name__}.finish needs the accumulator its begin returned")
         result = super().finish(acc, global_tensors)
         means = acc.tensors.mean(cast=False)
-        for name, drift in mean_drift(acc, global_tensors, self.num_clients_total).items():
+        for name, drift in mean_drift(acc, global_tensors, self.num_clients_total, self.fp16_transport).items():
             dtype = global_tensors[name].dtype
             self.drift.set(name, self.drift.get64(name, drift) + drift, dtype)
             result.tensors[name] = (means[name] + self.drift.get64(name, drift)).to(dtype)

@@ -56,6 +56,7 @@ class FedDyn(DriftFold, FedAvg):
         keep_local_buffers: bool = False,
         bn_statistics: str = "precise",
         spec: ModelSpec | None = None,
+        fp16_transport: bool = False,
     ) -> None:
         super().__init__(weighting, temperature, keep_local_buffers, bn_statistics)
         if num_clients_total < 1:
@@ -65,6 +66,7 @@ class FedDyn(DriftFold, FedAvg):
         self.num_clients_total = int(num_clients_total)
         self.alpha = float(alpha)
         self.spec = spec
+        self.fp16_transport = fp16_transport  # the clients' drifts start from x as fp16 delivers it
         self.h = TensorState("h")
         self._averaged_over: int | None = None  # the N h is a mean over (follow_enrolment)
 
@@ -91,7 +93,7 @@ class FedDyn(DriftFold, FedAvg):
         if self.alpha == 0:
             return result  # no regularizer, h ≡ 0: FedAvg
         means = acc.tensors.mean(cast=False)
-        for name, drift in mean_drift(acc, global_tensors, self.num_clients_total).items():
+        for name, drift in mean_drift(acc, global_tensors, self.num_clients_total, self.fp16_transport).items():
             dtype = global_tensors[name].dtype
             self.h.set(name, self.h.get64(name, drift) - self.alpha * drift, dtype)
             result.tensors[name] = (means[name] - self.h.get64(name, drift) / self.alpha).to(dtype)

@@ -30,15 +30,19 @@ def train_task(
     seed: int,
     config: TrainConfig,
     server_control: Mapping[str, Tensor] | None,
+    fp16: bool = False,
 ) -> TrainTask:
     """What the server's GetTask tells a cohort member: due tensors, hyper-parameters, its seed."""
+    strategy = dict(federation.strategy.client_config())
+    if fp16:  # as the aggregator's Train task says it
+        strategy["fp16_transport"] = True
     return TrainTask(
         round=plan.round,
         due=federation.tier_due(tier, plan.due),
         config=config,
         continue_unsynced=plan.continue_unsynced,
         seed=derive_seed(seed, plan.round, client_id),
-        strategy=federation.strategy.client_config(),
+        strategy=strategy,
         server_control=None if server_control is None else dict(server_control),
         local=federation.local_tier_tensors(tier),
     )
@@ -73,7 +77,7 @@ class LocalClients:
         control = server_control(federation)
         for cid in plan.cohort:  # fixed fold order: sorted client ids
             vc = self.by_id[cid]
-            task = train_task(federation, plan, vc.state.tier, cid, self.seed, config, control)
+            task = train_task(federation, plan, vc.state.tier, cid, self.seed, config, control, self.fp16)
             fetched = federation.fetch(vc.state.tier, vc.state.versions)
             spec = federation.tier_spec(vc.state.tier)
             yield train_in_process(vc, spec, task, fetched, fp16=self.fp16, personal_atoms=self.personal_atoms)

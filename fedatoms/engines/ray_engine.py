@@ -134,7 +134,11 @@ class RayClients:
         def submit(chunk: list[str]) -> Any:
             tier = self.tier[chunk[0]]  # an actor hosts clients of one tier
             members = [
-                (cid, train_task(federation, plan, tier, cid, self.seed, config, control), self._fetch(federation, cid))
+                (
+                    cid,
+                    train_task(federation, plan, tier, cid, self.seed, config, control, self.fp16),
+                    self._fetch(federation, cid),
+                )
                 for cid in chunk
             ]
             return self.hosts.call(

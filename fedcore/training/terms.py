@@ -134,6 +134,11 @@ def _alpha(key: str, value: Any) -> float:
     return float(value)
 
 
+def _through_fp16(t: Tensor) -> Tensor:
+    """``t`` as float16 transport delivers it."""
+    return t.to(torch.float16).to(t.dtype)
+
+
 @dataclass(frozen=True)
 class LocalTerms:
     """The client-side terms of a strategy, as its ``client_config()`` names them (all off by default).
@@ -144,11 +149,14 @@ class LocalTerms:
     (Acar et al., Alg. 1), state ``gradient``.
     ``feddc_alpha`` (α ≥ 0, with ``scaffold``): FedDC's ``α/2‖θ + h_i − x‖²`` and ``h_i ← h_i + (y_i − x)``
     (Gao et al., Alg. 1), state ``drift``.
+    ``fp16_transport``: the update and control delta travel as float16; the state moves by what the
+    server receives (``ỹ − x̃``, the rounded delta), which is what the server adds to its mean.
     """
 
     control: bool = False
     feddyn_alpha: float = 0.0
     feddc_alpha: float | None = None
+    fp16_transport: bool = False
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> LocalTerms:
@@ -163,7 +171,10 @@ class LocalTerms:
             raise ValueError("feddc_alpha needs scaffold: FedDC corrects gradients with control variates")
         if dc is not None and dyn > 0:
             raise ValueError("feddyn_alpha and feddc_alpha exclude each other")
-        return cls(control, dyn, dc)
+        fp16 = config.get("fp16_transport", False)
+        if not isinstance(fp16, bool):
+            raise ValueError(f"fp16_transport must be true or false, got {fp16!r}")
+        return cls(control, dyn, dc, fp16)
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -240,12 +251,13 @@ class RoundTerms:
         """The client's state after the round, and SCAFFOLD's ``Δc_i = c_i⁺ − c_i`` (what the server needs)."""
         new: dict[str, dict[str, Tensor]] = {}
         delta = None
-        moved = {n: p.detach() - self.start[n] for n, p in params.items()}  # y − x
+        wire = _through_fp16 if self.terms.fp16_transport else (lambda t: t)  # what the server will receive
+        moved = {n: wire(p.detach()) - self.start[n] for n, p in params.items()}  # y − x
         if self.server_control is not None:
             scale = step_weight(steps, lr, momentum)
             c, ci = self.server_control, self.state["control"]
-            new["control"] = {n: ci[n] - c[n] - moved[n] / scale for n in moved}
-            delta = {n: new["control"][n] - ci[n] for n in moved}
+            delta = {n: wire(ci[n] - c[n] - moved[n] / scale - ci[n]) for n in moved}
+            new["control"] = {n: ci[n] + delta[n] for n in moved}
         if "gradient" in self.state:
             alpha = self.terms.feddyn_alpha
             new["gradient"] = {n: g - alpha * moved[n] for n, g in self.state["gradient"].items()}
