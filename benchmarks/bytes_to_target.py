@@ -131,11 +131,13 @@ def _run(job: tuple[str, int, dict[str, Any]]) -> tuple[str, int, Outcome]:
 
     diverged = False
     try:
-        run_simulation(SimulationConfig(**keys, seed=seed), progress=progress)
+        # the returned records, not the progress ones: over gRPC a round is reported when it closes, before
+        # its cohort's evaluation fetches are counted
+        rounds = run_simulation(SimulationConfig(**keys, seed=seed), progress=progress)["rounds"]
     except CodecError as exc:
         if exc.kind != "nonfinite":
             raise
-        diverged = True
+        diverged = True  # the rounds reported so far
     accuracy = [r["test_accuracy"] for r in rounds]
     moved = [r["cumulative_bytes_up"] + r["cumulative_bytes_down"] for r in rounds]
     missing = keys["rounds"] - len(rounds)

@@ -159,10 +159,11 @@ def place(
     for tier in order:
         if not fits(tier):
             need = ", ".join(f"{k}={v:g}" for k, v in resources[tier].demand().items())
-            have = ", ".join(f"{k}={capacity.get(k, 0.0):g}" for k in resources[tier].demand())
+            have = ", ".join(f"{k}={max(0.0, left.get(k, 0.0)):g}" for k in resources[tier].demand())
+            total = ", ".join(f"{k}={capacity.get(k, 0.0):g}" for k in resources[tier].demand())
             raise ValueError(
-                f"a tier-{tier:g} client asks for {need} but the cluster has {have} left after one actor per "
-                "larger tier: lower [simulation.resources] or add nodes"
+                f"a tier-{tier:g} client asks for {need} but the cluster ({total}) has {have} left after one actor "
+                "per larger tier: lower [simulation.resources] (e.g. default = {num_cpus = 0.5}) or add nodes"
             )
         take(tier)
         actors[tier] = 1

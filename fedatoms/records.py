@@ -21,7 +21,8 @@ TOTALS = ("bytes_up", "bytes_down", "fedavg_equivalent_bytes", *CATEGORY_TOTALS)
 
 
 def mean_or_none(values: list[float]) -> float | None:
-    """The clients' mean (each client counts once, as personalized-FL papers report it)."""
+    """The unweighted mean over the clients that evaluated (a round's cohort): each client counts once. FedRep's
+    code weights by test-set size over all clients; the dashboard's mean_client_accuracy is sample-weighted."""
     return math.fsum(values) / len(values) if values else None
 
 

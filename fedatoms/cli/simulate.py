@@ -250,9 +250,16 @@ def print_summary(results: dict[str, Any]) -> None:
             "(what that tier's clients run)"
         )
     if s.get("final_local_accuracy") is not None:
-        print(f"  global model on clients' local tests {s['final_local_accuracy']:.4f}")
-    if "final_personalized_accuracy" in s and s["final_personalized_accuracy"] is not None:
-        print(f"  personalized accuracy  {s['final_personalized_accuracy']:.4f}")
+        print(f"  global model on clients' local tests {s['final_local_accuracy']:.4f} (final round's cohort)")
+    personal = s.get("final_personalized_accuracy")
+    if personal is not None:
+        last5 = s.get("mean_personalized_accuracy_last5")
+        shown = (
+            f"{personal:.4f} (final round's cohort)"
+            if last5 is None
+            else f"{last5:.4f} mean of the last {min(5, s['rounds'])} rounds (final {personal:.4f})"
+        )
+        print(f"  personalized accuracy  {shown}")
     ratio = s["bytes_ratio_vs_fedavg"]
     print(
         f"  bytes moved            {s['bytes_total'] / 1e6:.2f} MB vs FedAvg-equivalent "

@@ -71,5 +71,12 @@ def test_bad_resources_are_refused_with_the_key_named(table, message):
 
 
 def test_a_client_larger_than_the_cluster_is_refused_before_any_actor_starts():
-    with pytest.raises(ValueError, match="asks for CPU=1, GPU=1 but the cluster has CPU=2, GPU=0"):
+    with pytest.raises(ValueError, match=r"asks for CPU=1, GPU=1 but the cluster \(CPU=2, GPU=0\) has CPU=2, GPU=0"):
         place([1.0], parse_resources({"1": {"num_gpus": 1}}, [1.0]), {"CPU": 2.0})
+
+
+def test_what_is_left_after_the_larger_tiers_is_what_the_refusal_names():
+    """Two CPUs, two tiers of one CPU each, then a third: the smallest finds none left (it said 2 before)."""
+    tiers = parse_resources({"default": {"num_cpus": 1}}, [1.0, 0.5, 0.25])
+    with pytest.raises(ValueError, match=r"tier-0.25 client asks for CPU=1 but the cluster \(CPU=2\) has CPU=0 left"):
+        place([1.0, 0.5, 0.25], tiers, {"CPU": 2.0})

@@ -117,16 +117,22 @@ def test_systemd_units_verify_without_warnings(tmp_path: Path) -> None:
     units = []
     for unit in sorted((DEPLOY / "systemd").glob("*.service")):
         copy = tmp_path / unit.name
-        copy.write_text(unit.read_text().replace("/opt/fedatoms/venv/bin/fedatoms", fedatoms))
+        copy.write_text(_installed(unit.read_text(), fedatoms))
         units.append(str(copy))
     assert len(units) == 2
     done = subprocess.run([analyze, "verify", *units], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stderr == "", done.stderr
 
 
+def _installed(text: str, fedatoms: str) -> str:
+    """A unit's text with the venv's commands at this checkout's (the venv's python beside its fedatoms)."""
+    venv = "/opt/fedatoms/venv/bin/"
+    return text.replace(f"{venv}fedatoms", fedatoms).replace(f"{venv}python", str(Path(fedatoms).parent / "python"))
+
+
 def _unit_command(unit: str, key: str, fedatoms: str) -> list[str]:
     line = next(x for x in (DEPLOY / "systemd" / unit).read_text().splitlines() if x.startswith(f"{key}="))
-    return shlex.split(line.removeprefix(f"{key}=").replace("/opt/fedatoms/venv/bin/fedatoms", fedatoms))
+    return shlex.split(_installed(line.removeprefix(f"{key}="), fedatoms))
 
 
 def test_the_systemd_recipe_migrates_and_serves_with_its_env_file(tmp_path: Path) -> None:
