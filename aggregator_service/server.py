@@ -243,11 +243,13 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 self.tarpit.refused(context.peer())
             _handle(context, exc, "FetchModel")
         sent: dict[str, int] = {}
+        model_sent = [False]  # some of the model went out: a transfer FedAvg makes too (the control alone is none)
 
         def entries() -> Iterator[tuple[bytes, int, str]]:
             for kind, tensors in ((pb.TENSOR_KIND_MODEL, model), (pb.TENSOR_KIND_SERVER_CONTROL, control)):
                 for name, tensor, version in tensors:
                     for entry, nbytes in self._entries(client.tier, kind, name, tensor, version):
+                        model_sent[0] = model_sent[0] or (kind == pb.TENSOR_KIND_MODEL and nbytes > 0)
                         yield entry, nbytes, name
 
         try:
@@ -258,7 +260,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         finally:
             total = sum(sent.values())
             try:
-                self.coordinator.record_download(client, total, sent, round_, category)
+                self.coordinator.record_download(client, total, sent, round_, category, transfer=model_sent[0])
             except Exception:
                 log.exception(kv("record_download_failed", client=client.id, bytes=total))
 

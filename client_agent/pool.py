@@ -172,6 +172,8 @@ class InProcessPush:
     push: ClientPush
     fetched: Moved  # the training fetch: the model's newer tensors, then SCAFFOLD's server control
     pushed: Moved
+    #: the fetch moved some of the model: a transfer FedAvg makes too (SCAFFOLD's control alone is none)
+    fetched_model: bool = True
 
 
 def _receive(vc: VirtualClient, spec: ModelSpec, fetched: Mapping[str, tuple[Tensor, int]], fp16: bool) -> Moved:
@@ -192,6 +194,7 @@ def train_in_process(
     """Receive ``fetched`` (the tensors newer than the client holds), train for ``task``, push: the client's
     half of an in-process round, wherever the client lives (this process or a Ray actor)."""
     down = _receive(vc, spec, fetched, fp16)
+    fetched_model = any(n for _, n in down)
     if task.server_control is not None:
         control, more = through_codec(task.server_control, fp16, spec.owners)
         down += more
@@ -202,7 +205,9 @@ def train_in_process(
     if push.control_delta is not None:
         delta, more = through_codec(push.control_delta, fp16, spec.owners)
         up += more
-    return InProcessPush(vc.client_id, vc.state.tier, replace(push, tensors=tensors, control_delta=delta), down, up)
+    return InProcessPush(
+        vc.client_id, vc.state.tier, replace(push, tensors=tensors, control_delta=delta), down, up, fetched_model
+    )
 
 
 def evaluate_in_process(

@@ -215,7 +215,7 @@ def _run(
             ledger = BandwidthLedger(fp16=config.fp16, fedavg_bytes=fedavg_bytes)
             for done in pool.train(federation, plan, train_config):  # in cohort order: sorted client ids
                 cid, push = done.client_id, done.push
-                account(ledger, r, cid, "train_fetch", done.fetched)  # model and control: one fetch
+                account(ledger, r, cid, "train_fetch", done.fetched, done.fetched_model)  # model and control
                 federation.fold(
                     ClientUpdate(
                         client_id=cid,

@@ -309,3 +309,15 @@ def test_save_model_writes_the_model_the_record_evaluated(transport: str, tmp_pa
     assert evaluate(model, load_dataset("digits")[1], device="cpu").accuracy == record["test_accuracy"]
     assert record["test_accuracy"] > 0.2  # learned something: a model left at its start would not tell
     assert read_model_file(out).normalization == config.normalization
+
+
+def test_scaffolds_fedavg_equivalent_is_what_a_fedavg_run_on_the_same_cohorts_moves() -> None:
+    """A client that held the model since its last round still fetches SCAFFOLD's control: that fetch moved
+    no model, so FedAvg would not make it, and it adds nothing to the FedAvg equivalent (it added a whole
+    model before: 1.52× read as SCAFFOLD's overhead where a FedAvg run of the same seed shows 1.78×)."""
+    config = {**SMALL, "rounds": 4}
+    fedavg = run_simulation(SimulationConfig(**config))["summary"]
+    scaffold = run_simulation(SimulationConfig(**config, strategy="scaffold"))["summary"]
+    assert fedavg["fedavg_equivalent_bytes"] == fedavg["bytes_total"]  # FedAvg against itself: 1.000×
+    assert scaffold["fedavg_equivalent_bytes"] == fedavg["bytes_total"]
+    assert scaffold["bytes_ratio_vs_fedavg"] == pytest.approx(scaffold["bytes_total"] / fedavg["bytes_total"])

@@ -70,13 +70,25 @@ class Ledger:
         per_tensor: Mapping[str, int] | None = None,
         round_: int | None = None,
         category: str = "train_fetch",
+        *,
+        transfer: bool = True,
     ) -> None:
         """Count one fetch's bytes sent to ``client`` toward ``round_`` (see :meth:`download_round`), per
-        full-rank tensor too, under ``category`` (``train_fetch`` or ``eval_fetch``)."""
-        self.count(client, category, self.download_round(None) if round_ is None else round_, nbytes, per_tensor)
+        full-rank tensor too, under ``category`` (``train_fetch`` or ``eval_fetch``). ``transfer`` False: it
+        moved only SCAFFOLD's control, a fetch FedAvg would not make (its bytes count, not its FedAvg
+        equivalent)."""
+        round_ = self.download_round(None) if round_ is None else round_
+        self.count(client, category, round_, nbytes, per_tensor, transfer=transfer)
 
     def count(
-        self, client: ClientInfo, category: str, round_: int, nbytes: int, per_tensor: Mapping[str, int] | None
+        self,
+        client: ClientInfo,
+        category: str,
+        round_: int,
+        nbytes: int,
+        per_tensor: Mapping[str, int] | None,
+        *,
+        transfer: bool = True,
     ) -> None:
         """Count one transfer in memory (``category``, or ``"down"``/``"up"``), toward the full-rank tensors
         its bytes belong to; a transfer that moved nothing is no transfer."""
@@ -88,7 +100,7 @@ class Ledger:
             total, transfers, tensors = self._counts.get(key, (0, 0, {}))
             for name, b in per.items():
                 tensors[name] = tensors.get(name, 0) + b
-            self._counts[key] = (total + nbytes, transfers + 1, tensors)
+            self._counts[key] = (total + nbytes, transfers + int(transfer), tensors)
 
     def write_push(
         self, s: Session, client: ClientInfo, round_: int, nbytes: int, per_tensor: Mapping[str, int]

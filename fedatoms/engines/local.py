@@ -48,11 +48,15 @@ def train_task(
     )
 
 
-def account(ledger: BandwidthLedger, round_: int, client_id: str, category: str, moved: Moved) -> None:
-    """Record the bytes of one fetch or push; a fetch that moved something (or a push) is one transfer."""
+def account(
+    ledger: BandwidthLedger, round_: int, client_id: str, category: str, moved: Moved, model: bool = True
+) -> None:
+    """Record the bytes of one fetch or push; a fetch that moved something (or a push) is one transfer, one
+    FedAvg would make too unless ``model`` is False (it moved only SCAFFOLD's control: the client held the
+    model, and FedAvg would not have fetched)."""
     for tensor, nbytes in moved:
         ledger.record(round_, client_id, category, tensor, nbytes)
-    if sum(n for _, n in moved):
+    if model and sum(n for _, n in moved):
         ledger.transfer(round_, client_id, category)
 
 

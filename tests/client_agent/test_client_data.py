@@ -95,7 +95,9 @@ def test_three_devices_with_their_own_pictures_train_and_the_server_evaluates_it
 
 def test_the_federations_normalization_reaches_the_client(tmp_path: Path) -> None:
     pictures = write_folder(tmp_path / "rgb", channels=3, size=10, count=200)
-    config = _config(tmp_path / "fed.toml", Path("digits"), model="digits-cnn", rounds=1, min_clients=1)
+    # evaluated on the same kind of pictures: the digits benchmark brings its own normalization, which a
+    # different federation one would contradict (refused)
+    config = _config(tmp_path / "fed.toml", pictures, model="digits-cnn", rounds=1, min_clients=1)
     with config.open("a") as f:
         f.write("normalization = { mean = [0.5], std = [0.25] }\n")
     url = f"sqlite:///{tmp_path / 'agg.db'}"

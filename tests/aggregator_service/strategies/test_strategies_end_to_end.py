@@ -100,7 +100,7 @@ def test_grpc_record_and_stored_state_equal_the_in_process_run(tmp_path: Path, s
         SimulationConfig(transport="grpc", **config), database_url=url, state_dir=str(clients), workers=2
     )
     for a, b in zip(inprocess["rounds"], over_grpc["rounds"], strict=True):
-        for key in ("test_accuracy", "test_loss", "bytes_up", "bytes_down", "dispersion"):
+        for key in ("test_accuracy", "test_loss", "bytes_up", "bytes_down", "fedavg_equivalent_bytes", "dispersion"):
             _same(a[key], b[key], f"round {a['round']} {key}")
 
     # the aggregator a restart would build: the stored strategy state is the in-process engine's, bit for bit
