@@ -166,6 +166,12 @@ class FederationConfig:
         if self.tier_training not in TIER_TRAININGS:
             raise ValueError(f"tier_training must be one of {', '.join(TIER_TRAININGS)}, got {self.tier_training!r}")
         warmup_for(self.warmup_rounds, self.phi, self.lama_warmup)  # an unknown rule fails now
+        if self.interval_policy == "fedlama" and self.tau > 1 and self.cohort == "per_round":
+            raise ValueError(
+                f"tau = {self.tau} syncs every tensor only every {self.tau} rounds, and a new cohort each round "
+                "(cohort = per_round) restarts from the global model: the rounds between syncs would train for "
+                'nothing. Set cohort = "period" (FedLAMA\'s cohort, kept for the sync period) or tau = 1'
+            )
         if self.hold_cohort not in HOLD_COHORT:
             raise ValueError(f"hold_cohort must be one of {', '.join(HOLD_COHORT)}, got {self.hold_cohort!r}")
         if self.interval_policy == "fixed" and self.factorization not in ("atoms", "atoms-lowrank"):

@@ -36,13 +36,16 @@ def accumulate(record: dict[str, Any], totals: MutableMapping[str, int]) -> None
 def summarize(records: list[dict[str, Any]], totals: Mapping[str, int], seconds: float) -> dict[str, Any]:
     """The run in one object: the last and best accuracies, and the bytes moved against FedAvg's."""
     last = records[-1]
+    evaluated = [r["test_accuracy"] for r in records if r["test_accuracy"] is not None]
+    last5 = [r["test_accuracy"] for r in records[-5:] if r["test_accuracy"] is not None]
     moved = totals["bytes_up"] + totals["bytes_down"]
     summary: dict[str, Any] = {
         "rounds": len(records),
+        # None throughout when the server evaluates nothing (an aggregator without eval_data, --server)
         "final_test_accuracy": last["test_accuracy"],
-        "best_test_accuracy": max(r["test_accuracy"] for r in records),
+        "best_test_accuracy": max(evaluated, default=None),
         # non-IID global accuracy swings round to round; the last rounds' mean compares runs fairly
-        "mean_test_accuracy_last5": sum(r["test_accuracy"] for r in records[-5:]) / len(records[-5:]),
+        "mean_test_accuracy_last5": sum(last5) / len(last5) if last5 else None,
         "final_local_accuracy": last["local_accuracy"],
         "bytes_up": totals["bytes_up"],
         "bytes_down": totals["bytes_down"],

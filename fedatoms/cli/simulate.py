@@ -221,10 +221,9 @@ def progress_printer(total: int, label: str = "round") -> Any:
     bar = tqdm(total=total, desc=label, unit="round", file=sys.stderr, dynamic_ncols=True)
 
     def report(record: dict[str, Any]) -> None:
-        post = {
-            "acc": f"{record['test_accuracy']:.3f}",
-            "MB": f"{record['cumulative_bytes_up'] / 1e6 + record['cumulative_bytes_down'] / 1e6:.2f}",
-        }
+        post = {"MB": f"{record['cumulative_bytes_up'] / 1e6 + record['cumulative_bytes_down'] / 1e6:.2f}"}
+        if record["test_accuracy"] is not None:  # None: the aggregator evaluates nothing (no eval_data)
+            post = {"acc": f"{record['test_accuracy']:.3f}", **post}
         if record.get("personalized_accuracy") is not None:
             post["pers"] = f"{record['personalized_accuracy']:.3f}"
         bar.set_postfix(post)
@@ -240,10 +239,14 @@ def print_summary(results: dict[str, Any]) -> None:
     c = results["config"]
     data = c.get("data") or c["dataset"]
     print(f"\n{c['model']} / {c['factorization']} / {c['interval_policy']} on {data}: {s['rounds']} rounds")
-    print(
-        f"  global test accuracy   {s['mean_test_accuracy_last5']:.4f} mean of the last {min(5, s['rounds'])} rounds "
-        f"(final {s['final_test_accuracy']:.4f}, best {s['best_test_accuracy']:.4f})"
-    )
+    if s["mean_test_accuracy_last5"] is None:
+        print("  global test accuracy   none: the aggregator evaluates nothing (set its eval_data)")
+    else:
+        final = "-" if s["final_test_accuracy"] is None else f"{s['final_test_accuracy']:.4f}"
+        print(
+            f"  global test accuracy   {s['mean_test_accuracy_last5']:.4f} mean of the last {min(5, s['rounds'])} "
+            f"rounds (final {final}, best {s['best_test_accuracy']:.4f})"
+        )
     for tier, accuracy in s.get("mean_tier_accuracy_last5", {}).items():
         print(
             f"  cut to tier {tier:<10} {accuracy:.4f} mean of the last {min(5, s['rounds'])} rounds "
@@ -284,6 +287,7 @@ def _grpc_options(args: argparse.Namespace) -> dict[str, Any]:
         "server": args.server,
         "database_url": args.database_url,
         "enrollment_secret": args.enrollment_secret,
+        "federation_name": args.federation_name,
         "workers": args.workers,
         "state_dir": args.state_dir,
         "tls_ca": args.tls_ca,
@@ -332,6 +336,11 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--server", help="HOST:PORT of a running aggregator (default: start one on a loopback port)")
     g.add_argument("--database-url", help="the aggregator's database [a new SQLite file, printed at start]")
     g.add_argument("--enrollment-secret", help="with --server: that federation's secret")
+    g.add_argument(
+        "--federation-name",
+        help="the federation in --database-url the records are read from (and, without "
+        "--server, the one the aggregator started here serves) [default]",
+    )
     g.add_argument("--workers", type=int, help="worker processes running the virtual clients [2]")
     g.add_argument("--state-dir", help="where each virtual client keeps its state [a new temporary directory]")
     g.add_argument("--tls-ca", help="with --server: CA bundle to verify the aggregator's certificate")

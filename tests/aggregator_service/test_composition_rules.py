@@ -126,3 +126,13 @@ def test_an_unknown_lama_warmup_is_refused_naming_the_choices() -> None:
 def test_an_unknown_tier_init_is_refused_naming_the_choices() -> None:
     with pytest.raises(ValueError, match="tier_init must be one of energy, truncated"):
         SimulationConfig(tier_init="svd")
+
+
+def test_fedlama_tau_above_1_needs_the_cohort_kept_for_the_period() -> None:
+    """τ' = 3 syncs every tensor every third round; with a new cohort each round the clients of rounds 1 and 2
+    restart from the global model and their training is never aggregated (0 bytes pushed, accuracy flat)."""
+    with pytest.raises(ValueError, match=r'tau = 3 syncs every tensor only every 3 rounds.*cohort = "period"'):
+        SimulationConfig(factorization="atoms", interval_policy="fedlama", tau=3)
+    kept = SimulationConfig(factorization="atoms", interval_policy="fedlama", tau=3, cohort="period", rounds=3)
+    record = run_simulation(kept)["rounds"]
+    assert [r["bytes_push"] > 0 for r in record] == [False, False, True]  # local rounds, then the sync

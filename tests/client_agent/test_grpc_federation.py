@@ -7,11 +7,14 @@ a loopback port, SQLite file) with the clients as real agents in 2 worker proces
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from processes import SECRET, Aggregator, free_port
 from safetensors.torch import load_file
 
 from aggregator_service import store
@@ -194,3 +197,26 @@ def test_a_run_without_database_url_or_state_dir_leaves_nothing_behind(tmp_path,
     assert list(tmp_path.glob("fedatoms-sim-*")) == [] and list(tmp_path.rglob("*.db*")) == []  # torch's caches aside
     assert any("removed the temporary directory" in line and "database" in line for line in said), said
     assert not any(line.startswith("kept") for line in said), said
+
+
+def test_simulate_drives_a_running_aggregators_federation_of_another_name(tmp_path: Path, capsys) -> None:
+    """`--server` with `--federation-name`: the records are read from that federation; before, from
+    "default", and the command failed with "no round closed" after every round had closed."""
+    from fedatoms.cli import main
+
+    config = tmp_path / "federation.toml"
+    config.write_text(
+        f'enrollment_secret = "{SECRET}"\nfederation_name = "ops"\ndeadline_seconds = 600\n'
+        "poll_interval_seconds = 0.1\n\n[federation]\nrounds = 2\nmin_clients = 2\nfraction = 1.0\n"
+    )
+    url = f"sqlite:///{tmp_path / 'agg.db'}"
+    server = Aggregator(config, free_port(), url, tmp_path / "server.log").start()
+    try:
+        argv = ["simulate", "--transport", "grpc", "--server", server.target, "--database-url", url]
+        argv += ["--enrollment-secret", SECRET, "--federation-name", "ops", "--clients", "2", "--fraction", "1.0"]
+        argv += ["--partition", "iid", "--rounds", "2", "--workers", "1", "--output", str(tmp_path / "r.json")]
+        assert main(argv) == 0, capsys.readouterr().err[-3000:]
+    finally:
+        server.stop()
+    records = json.loads((tmp_path / "r.json").read_text())["rounds"]
+    assert [r["round"] for r in records] == [1, 2] and all(r["bytes_push"] > 0 for r in records)
