@@ -89,6 +89,11 @@ def load(shared: Shared) -> None:
         else:
             _restore(s, row, fed)
         shared.fed_row, shared.federation = row, fed
+        if row.state == "done" and fed.round < shared.config.rounds:  # rounds raised: the federation goes on
+            row.state = "running"
+            log.info(
+                kv("federation_extended", name=settings.federation_name, after=fed.round, rounds=shared.config.rounds)
+            )
         shared.state = row.state
         shared.open = _load_open_round(s, row, fed)
         shared.settle()

@@ -22,6 +22,7 @@ from grpc_helpers import (
     register,
     shards,
     small_federation,
+    start_aggregator,
     wait_serving,
 )
 from sqlalchemy import select
@@ -172,3 +173,26 @@ def test_a_real_server_closes_the_round_at_its_deadline_with_the_quorum(tmp_path
     for name, tensor in offline.global_tensors.items():
         assert torch.allclose(served[name][0], tensor, atol=1e-6, rtol=0), name
     assert "event=late_push_refused" in log.read_text()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_finished_federation_restarted_with_more_rounds_goes_on(backend, tmp_path, request) -> None:
+    """aggregator.md: only `rounds` may change, e.g. to extend a federation. Before, the stored state "done"
+    won over the raised rounds: every GetTask answered Done, and resuming was refused (409)."""
+    url = f"sqlite:///{tmp_path / 'agg.db'}" if backend == "sqlite" else request.getfixturevalue("postgres_url")
+    first = start_aggregator(url, small_federation(rounds=1, tiers=[1.0], factorization="atoms"))
+    try:
+        clients = [register(first.stub, 1.0, d) for d in shards(2, 60)]
+        for c in clients:
+            c.round_trip()
+        assert clients[0].task().WhichOneof("kind") == "done"
+    finally:
+        first.stop()
+    again = start_aggregator(url, small_federation(rounds=2, tiers=[1.0], factorization="atoms"))
+    try:
+        for c in clients:
+            c.stub = again.stub
+        assert [c.round_trip()[0] for c in clients] == [2, 2]  # round 2 trains, pushes and closes
+        assert clients[0].task().WhichOneof("kind") == "done"
+    finally:
+        again.stop()
