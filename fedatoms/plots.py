@@ -74,7 +74,10 @@ def plot_runs(paths: Sequence[str | Path], output: str | Path) -> Path:
     names = list(first["rounds"][0]["tensors"])
     grid = [[first["rounds"][i]["tensors"][n]["interval"] for i in range(len(first["rounds"]))] for n in names]
     image = ax_int.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
-    ax_int.set(title=f"aggregation interval per tensor ({run_label(first, first_path.stem)})", xlabel="round")
+    ax_int.set(
+        title=f"aggregation interval per tensor, set at each round's close ({run_label(first, first_path.stem)})",
+        xlabel="round (the interval shown is in force from the next round)",
+    )
     ax_int.set_yticks(range(len(names)), names, fontsize=6)
     ax_int.set_xticks(range(len(first["rounds"])), [str(r["round"]) for r in first["rounds"]], fontsize=6)
     fig.colorbar(image, ax=ax_int, label="interval (rounds)")

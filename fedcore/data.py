@@ -11,7 +11,6 @@ read from a data directory and downloaded only when asked to.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,6 +56,8 @@ DEFAULT_DATA_DIR = Path(os.environ.get("FEDATOMS_DATA_DIR", "~/.cache/fedatoms/d
 
 # Per-channel mean/std of each training set (the standard published constants).
 _NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+    # digits: its training split's own (tests/fedcore/test_data.py recomputes them from sklearn's images)
+    "digits": ((0.3053833842277527,), (0.3761191666126251,)),
     "mnist": ((0.1307,), (0.3081,)),
     "fashion-mnist": ((0.2860,), (0.3530,)),
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
@@ -114,9 +115,16 @@ def load_dataset(
     return _load_torchvision(key, Path(data_dir).expanduser() if data_dir is not None else DEFAULT_DATA_DIR, download)
 
 
-@functools.cache
-def _digits_pixels() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """sklearn's digits as [0, 1] pixels, labels, and the fixed stratified train and test indices."""
+def benchmark_normalization(name: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The per-channel ``(mean, std)`` a bundled benchmark's loader normalizes its [0, 1] pixels with: what a
+    model trained on it expects of an image, so a model file must carry it (``fedatoms predict`` reads it)."""
+    key = name.lower()
+    if key not in _NORMALIZATION:
+        raise ValueError(f"{name!r} is not a bundled benchmark; choose one of {', '.join(_NORMALIZATION)}")
+    return _NORMALIZATION[key]
+
+
+def _load_digits() -> tuple[ArrayDataset, ArrayDataset]:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -124,24 +132,8 @@ def _digits_pixels() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     x = (np.asarray(bunch.images, dtype=np.float32) / 16.0)[:, None, :, :]
     y = np.asarray(bunch.target, dtype=np.int64)
     train_idx, test_idx = train_test_split(np.arange(len(y)), test_size=0.2, stratify=y, random_state=0)
-    return x, y, np.sort(train_idx), np.sort(test_idx)
-
-
-def benchmark_normalization(name: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The per-channel ``(mean, std)`` a bundled benchmark's loader normalizes its [0, 1] pixels with: what a
-    model trained on it expects of an image, so a model file must carry it (``fedatoms predict`` reads it)."""
-    key = name.lower()
-    if key == "digits":
-        x, _, train_idx, _ = _digits_pixels()
-        return (float(x[train_idx].mean()),), (float(x[train_idx].std()),)
-    if key not in _NORMALIZATION:
-        raise ValueError(f"{name!r} is not a bundled benchmark; choose one of digits, {', '.join(_NORMALIZATION)}")
-    return _NORMALIZATION[key]
-
-
-def _load_digits() -> tuple[ArrayDataset, ArrayDataset]:
-    x, y, train_idx, test_idx = _digits_pixels()
-    (mean,), (std,) = benchmark_normalization("digits")
+    train_idx, test_idx = np.sort(train_idx), np.sort(test_idx)
+    (mean,), (std,) = _NORMALIZATION["digits"]
     x = (x - mean) / std
 
     def make(idx: np.ndarray) -> ArrayDataset:

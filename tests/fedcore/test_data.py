@@ -247,3 +247,17 @@ def test_local_test_splits_proportional_sizes() -> None:
     tiny = local_test_splits(ytr, yte, [np.array([0, 1, 2, 300, 400])], samples_per_client=1)[0]
     assert sorted(np.unique(yte[tiny]).tolist()) == [0, 1, 2]  # at least one per held class
     assert len(local_test_splits(ytr, yte, [np.zeros(0, dtype=np.int64)])[0]) == 0
+
+
+def test_digits_normalization_is_its_training_splits_own() -> None:
+    """The constant the loader and the model file use, recomputed from sklearn's images: the stratified 80 %
+    training split (random_state 0), pixels / 16."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from fedcore.data import benchmark_normalization
+
+    bunch = load_digits()
+    x = np.asarray(bunch.images, dtype=np.float32) / 16.0
+    train_idx, _ = train_test_split(np.arange(len(bunch.target)), test_size=0.2, stratify=bunch.target, random_state=0)
+    assert benchmark_normalization("digits") == ((float(x[train_idx].mean()),), (float(x[train_idx].std()),))
