@@ -95,15 +95,19 @@ def channel_options(server_name: str | None = None) -> list[tuple[str, Any]]:
     return options
 
 
+_STACK_SIZE = threading.Lock()  # threading.stack_size is process-wide: one swap at a time
+
+
 @contextmanager
-def _small_stacks() -> Iterator[None]:
-    """Threads started inside get a 256 KiB stack, not the default 8 MiB: the stop watcher and gRPC's channel
-    spin thread only wait and dispatch, and on a device with little memory every thread's stack counts."""
-    previous = threading.stack_size(256 * 1024)
-    try:
-        yield
-    finally:
-        threading.stack_size(previous)
+def _small_stack() -> Iterator[None]:
+    """A thread started inside gets a 256 KiB stack, not the default 8 MiB: the stop watcher only waits and
+    cancels, and on a device with little memory every thread's stack counts."""
+    with _STACK_SIZE:
+        previous = threading.stack_size(256 * 1024)
+        try:
+            yield
+        finally:
+            threading.stack_size(previous)
 
 
 class Unauthenticated(RuntimeError):
@@ -255,18 +259,17 @@ class AggregatorClient:
             for call in calls:
                 call.cancel()
 
-        with _small_stacks():  # it only waits and cancels
-            threading.Thread(target=cancel_when_stopped, name="stop-watch", daemon=True).start()
+        watcher = threading.Thread(target=cancel_when_stopped, name="stop-watch", daemon=True)
+        with _small_stack():
+            watcher.start()
 
     def _transfer_timeout(self, nbytes: int) -> float:
         """A stream's deadline: ``rpc_timeout`` plus its bytes over the slowest link allowed for."""
         return self.rpc_timeout + nbytes / self.min_link_bytes_per_second
 
     def _future(self, method: Any, request: Any, **kwargs: Any) -> Any:
-        """``method.future(…)``, tracked; its first call on a channel starts gRPC's channel spin thread, given a
-        small stack."""
-        with _small_stacks():
-            return self._tracked(method.future(request, **kwargs))
+        """``method.future(…)``, tracked (a stop cancels it)."""
+        return self._tracked(method.future(request, **kwargs))
 
     def _tracked(self, call: _C) -> _C:
         """Register a call in flight, so a stop cancels it (at once, if the stop came first)."""
