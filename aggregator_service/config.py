@@ -35,7 +35,14 @@ from fedcore.training import TrainConfig
 from fedcore.training.nested import TIER_TRAININGS
 from fedcore.training.personalization import SPLITS, personal_tensors
 
-__all__ = ["DEMO_ENROLLMENT_SECRET", "AggregatorSettings", "FederationConfig", "StoreTarget", "stored_spec"]
+__all__ = [
+    "DEMO_ENROLLMENT_SECRET",
+    "AggregatorSettings",
+    "FederationConfig",
+    "StoreTarget",
+    "recorded_normalization",
+    "stored_spec",
+]
 
 #: The default enrollment secret: for local demos only, never for a federation reachable by others.
 DEMO_ENROLLMENT_SECRET = "fedatoms-demo"
@@ -195,8 +202,7 @@ class FederationConfig:
         """Training and evaluation on a bundled benchmark see pixels its loader normalized: the federation records
         with what, so an exported model file carries it and ``fedatoms predict`` feeds raw images as training saw
         them. A different normalization would be ignored by that loader: it is refused."""
-        mean, std = benchmark_normalization(dataset)
-        own = {"mean": list(mean), "std": list(std)}
+        own = recorded_normalization(dataset)
         if self.normalization is None:
             self.normalization = own
         elif Normalization.from_dict(self.normalization).to_dict() != own:
@@ -333,6 +339,12 @@ _OPTIONAL_MODEL_KEYS = ("model_args", "full_rank", "head", "input_shape")
 
 #: FederationConfig's keys that are TrainConfig fields, passed to clients as they are.
 _TRAINING_KEYS = tuple(f.name for f in fields(FederationConfig) if f.name in {g.name for g in fields(TrainConfig)})
+
+
+def recorded_normalization(dataset: str) -> dict[str, list[float]]:
+    """A bundled benchmark's normalization as a federation records it (``{"mean": [...], "std": [...]}``)."""
+    mean, std = benchmark_normalization(dataset)
+    return {"mean": list(mean), "std": list(std)}
 
 
 def model_spec(config: Any) -> ModelSpec:

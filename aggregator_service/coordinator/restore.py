@@ -18,9 +18,11 @@ from sqlalchemy.orm import Session
 from torch import Tensor
 
 from aggregator_service import store
+from aggregator_service.config import recorded_normalization
 from aggregator_service.logfmt import kv
 from aggregator_service.rounds import Federation, RoundPlan
 from aggregator_service.strategies import Strategy
+from fedcore.datasource import describe
 
 from .shared import OpenRound, Shared, client_keys
 
@@ -72,6 +74,7 @@ def load(shared: Shared) -> None:
             if kept:
                 log.warning(kv("federation_keeps_old_defaults", name=settings.federation_name, keeps=kept))
                 shared.config = replace(shared.config, **kept)
+            _record_benchmark_normalization(shared, row)
             _check_config(shared, row.config)
         total = store.count_clients(s, row, include_revoked=False)
         predates = {k: v for k, v in _KEYS_SINCE.items() if not created and k not in row.config}
@@ -125,6 +128,18 @@ def save_strategy_groups(s: Session, row: store.Federation, groups: Mapping[str,
 
 def _config_json(shared: Shared) -> dict[str, Any]:
     return json.loads(json.dumps(shared.config.to_dict()))
+
+
+def _record_benchmark_normalization(shared: Shared, row: store.Federation) -> None:
+    """A federation stored before a benchmark's normalization was recorded (``eval_data`` a benchmark) trained
+    on that benchmark's pixels all along: it gets the record now, instead of a refusal to restart."""
+    current = shared.config.normalization
+    if row.config.get("normalization") is None and current is not None:
+        eval_data = shared.settings.eval_data
+        if eval_data is not None and describe(eval_data) == "bundled":
+            if current == recorded_normalization(eval_data):
+                row.config = {**row.config, "normalization": current}
+                log.info(kv("federation_normalization_recorded", dataset=eval_data, **current))
 
 
 def _check_config(shared: Shared, stored: Mapping[str, Any]) -> None:

@@ -196,3 +196,25 @@ def test_a_finished_federation_restarted_with_more_rounds_goes_on(backend, tmp_p
         assert clients[0].task().WhichOneof("kind") == "done"
     finally:
         again.stop()
+
+
+def test_a_federation_stored_before_benchmark_normalizations_were_recorded_restarts_and_records_it(tmp_path) -> None:
+    """The shipped Kubernetes file evaluates on digits. A federation it created before the benchmark's
+    normalization was recorded has none stored; restarted by this version (which records it) it must not be
+    refused as "a different method": it trained on the loader's pixels all along, and now says so."""
+    url = f"sqlite:///{tmp_path / 'agg.db'}"
+    config = small_federation(tiers=[1.0], factorization="atoms")
+    older = start_aggregator(url, config)  # no eval_data: nothing recorded, as before this version
+    older.stop()
+    again = start_aggregator(url, config, eval_data="digits")
+    try:
+        assert again.coordinator.shared.config.normalization is not None
+    finally:
+        again.stop()
+    engine = store.create_engine_for(url)
+    try:
+        with engine.connect() as conn:
+            stored = conn.execute(select(store.Federation.config)).scalar_one()
+    finally:
+        engine.dispose()
+    assert stored["normalization"] == again.coordinator.shared.config.normalization
