@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from sqlalchemy import func, select
+from sqlalchemy import func, inspect, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -33,12 +33,12 @@ def _existing_store(database_url: str) -> Iterator[Session]:
             raise ValueError(f"no database at {url.database}: check --database-url")
     engine = store.create_engine_for(database_url)
     try:
-        try:
-            revision = store.current_revision(engine)
+        try:  # the migrations' own table, looked up without alembic (which logs as it opens a context)
+            migrated = inspect(engine).has_table("alembic_version")
         except SQLAlchemyError as exc:
             first = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
             raise ValueError(f"cannot read the database {shown}: {first}") from exc
-        if revision is None:
+        if not migrated:
             raise ValueError(f"{shown} holds no fedatoms store (never migrated): check --database-url")
         with store.session_factory(engine).begin() as s:
             yield s
