@@ -1,7 +1,9 @@
-"""Dashboard latency with a long federation: p50/p99 of /api/v1/rounds and /metrics under 50 concurrent requests.
+"""Dashboard latency with a long federation: p50/p99 of /api/v1/rounds, /bandwidth and /metrics, 50 concurrent.
 
-Fills a database with 10,000 closed rounds (metrics, 10 tensors' metrics each, a cohort of 10)
-and 10,000 clients through the store's ORM models (bulk inserts), starts the dashboard as a real
+Fills a database with 10,000 closed rounds (metrics, 10 tensors' metrics each, a cohort of 10 whose
+every member fetched, pushed and evaluated: 30 rows of the ``transfers`` ledger a round, and the
+round's sums in ``round_bytes``) and 10,000 clients through the store's ORM models (bulk inserts),
+starts the dashboard as a real
 uvicorn process on a loopback port, and fires requests from an httpx async client. SQLite always;
 PostgreSQL too when ``--postgres-url`` or ``FEDATOMS_TEST_POSTGRES_URL`` is given (in a scratch
 schema, dropped afterwards).
@@ -156,6 +158,34 @@ def fill(url: str, rounds: int, clients: int) -> None:
             for part in _chunks(tensor_rows):
                 s.execute(insert(store.TensorMetric), part)
             print(f"  {len(tensor_rows)} tensor metrics", flush=True)
+            transfer_rows, sums = [], {}
+            for rnd in round_rows:
+                for cid in rnd["cohort"]:
+                    for category, direction in store.TRANSFER_CATEGORIES.items():
+                        nbytes = rng.randrange(10**6)
+                        transfer_rows.append(
+                            {
+                                "federation_id": fid,
+                                "round": rnd["number"],
+                                "client_id": cid,
+                                "category": category,
+                                "direction": direction,
+                                "bytes": nbytes,
+                                "fedavg_equivalent_bytes": 10**6,
+                            }
+                        )
+                        b, f = sums.get((rnd["number"], category), (0, 0))
+                        sums[(rnd["number"], category)] = (b + nbytes, f + 10**6)
+            for part in _chunks(transfer_rows):
+                s.execute(insert(store.Transfer), part)
+            s.execute(
+                insert(store.RoundBytes),
+                [
+                    {"federation_id": fid, "round": r, "category": c, "bytes": b, "fedavg_equivalent_bytes": f}
+                    for (r, c), (b, f) in sums.items()
+                ],
+            )
+            print(f"  {len(transfer_rows)} transfers", flush=True)
             eval_rows = [
                 {
                     "federation_id": fid,
@@ -267,7 +297,11 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=1_000, help="requests per endpoint")
     p.add_argument("--concurrency", type=int, default=50)
     p.add_argument("--postgres-url", default=os.environ.get("FEDATOMS_TEST_POSTGRES_URL"))
-    p.add_argument("--paths", nargs="+", default=["/api/v1/rounds", "/api/v1/rounds?order=desc&limit=20", "/metrics"])
+    p.add_argument(
+        "--paths",
+        nargs="+",
+        default=["/api/v1/rounds", "/api/v1/rounds?order=desc&limit=20", "/api/v1/bandwidth", "/metrics"],
+    )
     args = p.parse_args()
     rows: list[tuple[str, ...]] = []
     with tempfile.TemporaryDirectory() as tmp:

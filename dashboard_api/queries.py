@@ -139,15 +139,16 @@ def evaluation_means(session: Session, fed_id: int, rounds: Sequence[int]) -> di
     return {int(r.round): {k: v for k, v in r._mapping.items() if k != "round"} for r in result}
 
 
-def _round_select(fed_id: int) -> Select[Any]:
-    """Rounds with their metrics row and their bytes from ``transfers``, the one ledger that ``/bandwidth`` sums
+def _round_select(fed_id: int, rounds: Sequence[int]) -> Select[Any]:
+    """``rounds`` with their metrics row and their bytes from ``round_bytes``, the sums ``/bandwidth`` reads
     too (the metrics row's byte columns are a snapshot at close, before the round's evaluation fetches)."""
     r, m = store.Round, store.RoundMetrics
-    moved = _transfer_sums(fed_id)
+    moved = _round_byte_sums(fed_id, rounds)
     return (
         select(r, m, moved)
         .outerjoin(m, and_(m.federation_id == r.federation_id, m.round == r.number))
         .outerjoin(moved, moved.c.round == r.number)
+        .where(r.federation_id == fed_id, r.number.in_(list(rounds)))
     )
 
 
@@ -188,21 +189,22 @@ def round_page(
     where = _round_where(fed_id, filters)
     total = int(session.scalar(select(func.count()).select_from(store.Round).where(*where)) or 0)
     number = store.Round.number
-    rows = session.execute(
-        _round_select(fed_id)
-        .where(*where)
-        .order_by(number.desc() if order == "desc" else number)
-        .offset(offset)
-        .limit(limit)
-    ).all()
-    evals = evaluation_means(session, fed_id, [row[0].number for row in rows])
+    page = list(
+        session.scalars(
+            select(number)
+            .where(*where)
+            .order_by(number.desc() if order == "desc" else number)
+            .offset(offset)
+            .limit(limit)
+        )
+    )
+    rows = session.execute(_round_select(fed_id, page).order_by(number.desc() if order == "desc" else number)).all()
+    evals = evaluation_means(session, fed_id, page)
     return total, [_round_dict(row, evals.get(row[0].number)) for row in rows]
 
 
 def round_detail(session: Session, fed_id: int, number: int) -> dict[str, Any] | None:
-    row = session.execute(
-        _round_select(fed_id).where(store.Round.federation_id == fed_id, store.Round.number == number)
-    ).one_or_none()
+    row = session.execute(_round_select(fed_id, [number])).one_or_none()
     if row is None:
         return None
     rnd, metrics = row[0], row[1]
@@ -300,27 +302,28 @@ def client_detail(
 # --------------------------------------------------------------------------- bandwidth
 
 
-def _transfer_sums(fed_id: int) -> Any:
-    """Per round, from the ``transfers`` table alone: bytes down/up, per category, and the FedAvg-equivalent."""
-    t = store.Transfer
+def _round_byte_sums(fed_id: int, rounds: Sequence[int] | None = None) -> Any:
+    """Per round, from ``round_bytes`` (the ``transfers`` ledger summed as it is written): bytes down/up,
+    per category, and the FedAvg-equivalent; only ``rounds`` when given, so a page costs its rows."""
+    b = store.RoundBytes
 
-    def of(*conds: Any) -> Any:
-        return func.coalesce(func.sum(case((and_(*conds), t.bytes), else_=0)), 0)
+    def of(*categories: str) -> Any:
+        return func.coalesce(func.sum(case((b.category.in_(categories), b.bytes), else_=0)), 0)
 
-    return (
-        select(
-            t.round.label("round"),
-            of(t.direction == "down").label("bytes_down"),
-            of(t.direction == "up").label("bytes_up"),
-            of(t.category == "train_fetch").label("bytes_train_fetch"),
-            of(t.category == "eval_fetch").label("bytes_eval_fetch"),
-            of(t.category == "push").label("bytes_push"),
-            func.coalesce(func.sum(t.fedavg_equivalent_bytes), 0).label("fedavg_equivalent_bytes"),
-        )
-        .where(t.federation_id == fed_id)
-        .group_by(t.round)
-        .subquery()
-    )
+    down = [c for c, d in store.TRANSFER_CATEGORIES.items() if d == "down"]
+    up = [c for c, d in store.TRANSFER_CATEGORIES.items() if d == "up"]
+    q = select(
+        b.round.label("round"),
+        of(*down).label("bytes_down"),
+        of(*up).label("bytes_up"),
+        of("train_fetch").label("bytes_train_fetch"),
+        of("eval_fetch").label("bytes_eval_fetch"),
+        of("push").label("bytes_push"),
+        func.coalesce(func.sum(b.fedavg_equivalent_bytes), 0).label("fedavg_equivalent_bytes"),
+    ).where(b.federation_id == fed_id)
+    if rounds is not None:
+        q = q.where(b.round.in_(list(rounds)))
+    return q.group_by(b.round).subquery()
 
 
 BANDWIDTH_COLUMNS = (
@@ -334,8 +337,8 @@ BANDWIDTH_COLUMNS = (
 
 
 def bandwidth_totals(session: Session, fed_id: int) -> dict[str, int]:
-    """Every byte the federation moved, by direction and category, and its FedAvg-equivalent (``transfers``)."""
-    per_round = _transfer_sums(fed_id)
+    """Every byte the federation moved, by direction and category, and its FedAvg-equivalent (``round_bytes``)."""
+    per_round = _round_byte_sums(fed_id)
     sums = session.execute(select(*(func.sum(per_round.c[k]) for k in BANDWIDTH_COLUMNS))).one()
     return {k: int(v or 0) for k, v in zip(BANDWIDTH_COLUMNS, sums, strict=True)}
 
@@ -345,10 +348,10 @@ def bandwidth(
 ) -> tuple[dict[str, Any], int, list[dict[str, Any]]]:
     """Rounds' bytes with running totals (a window over all rounds, then paged), and the grand totals.
 
-    Everything comes from the ``transfers`` table, the one ledger: a round's evaluation fetches
+    Everything comes from ``round_bytes``, the one ledger's per-round sums: a round's evaluation fetches
     (made after its close) count toward it, and an open round shows what it moved so far.
     """
-    per_round = _transfer_sums(fed_id)
+    per_round = _round_byte_sums(fed_id)
     c = per_round.c
     running = select(
         c.round,

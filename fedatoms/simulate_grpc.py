@@ -273,19 +273,17 @@ def records_from_store(url: str | Engine, federation_name: str = "default", afte
 
 
 def _transfers(s: Session, federation_id: int) -> dict[int, dict[str, int]]:
-    """Round → the record's bandwidth counts (:data:`TOTALS`), summed from the ``transfers`` table alone."""
-    t = store.Transfer
+    """Round → the record's bandwidth counts (:data:`TOTALS`), from ``round_bytes``: the ledger's per-round sums."""
+    b = store.RoundBytes
     rows = s.execute(
-        select(t.round, t.category, t.direction, func.sum(t.bytes), func.sum(t.fedavg_equivalent_bytes))
-        .where(t.federation_id == federation_id)
-        .group_by(t.round, t.category, t.direction)
+        select(b.round, b.category, b.bytes, b.fedavg_equivalent_bytes).where(b.federation_id == federation_id)
     ).all()
     out: dict[int, dict[str, int]] = {}
-    for r, category, direction, nbytes, fedavg in rows:
+    for r, category, nbytes, fedavg in rows:
         counts = out.setdefault(r, dict.fromkeys(TOTALS, 0))
-        counts[f"bytes_{direction}"] += int(nbytes or 0)
-        counts[f"bytes_{category}"] += int(nbytes or 0)
-        counts["fedavg_equivalent_bytes"] += int(fedavg or 0)
+        counts[f"bytes_{store.TRANSFER_CATEGORIES[category]}"] += int(nbytes)
+        counts[f"bytes_{category}"] += int(nbytes)
+        counts["fedavg_equivalent_bytes"] += int(fedavg)
     return out
 
 

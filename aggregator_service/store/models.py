@@ -62,6 +62,7 @@ __all__ = [
     "GlobalTensor",
     "JSONText",
     "Round",
+    "RoundBytes",
     "RoundMetrics",
     "StrategyTensor",
     "TensorMetric",
@@ -400,6 +401,29 @@ class Transfer(Base):
     category: Mapped[str] = mapped_column(String(12), primary_key=True)
     direction: Mapped[str] = mapped_column(String(4))
     bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    fedavg_equivalent_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
+
+
+class RoundBytes(Base):
+    """A round's bytes per category, the ``transfers`` ledger summed over its clients as it is written.
+
+    :func:`~aggregator_service.store.record_transfers` adds to both in one transaction, so they never
+    disagree; the surfaces that sum a federation's bytes read this table, whose size grows with its
+    rounds, not with rounds × cohort (a year of rounds stays a few thousand rows per category).
+    """
+
+    __tablename__ = "round_bytes"
+    __table_args__ = (
+        _round_fk(),
+        CheckConstraint(_in("category", tuple(TRANSFER_CATEGORIES)), name="category"),
+        CheckConstraint("bytes >= 0", name="bytes"),
+        CheckConstraint("fedavg_equivalent_bytes >= 0", name="fedavg_equivalent_bytes"),
+    )
+
+    federation_id: Mapped[int] = mapped_column(ForeignKey("federations.id", ondelete="CASCADE"), primary_key=True)
+    round: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    category: Mapped[str] = mapped_column(String(12), primary_key=True)
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
     fedavg_equivalent_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default=text("0"))
 
 

@@ -74,9 +74,16 @@ def test_rounds_say_what_the_store_says(api: httpx.Client, federation: Federatio
         ("state=abandoned", [], 0),
     ],
 )
-def test_rounds_paging_and_filters(api: httpx.Client, query: str, numbers: list[int], total: int) -> None:
+def test_rounds_paging_and_filters(
+    api: httpx.Client, federation: Federation, query: str, numbers: list[int], total: int
+) -> None:
+    federation.coordinator.flush()
     page = api.get(f"/rounds?{query}").json()
     assert [r["number"] for r in page["items"]] == numbers and page["total"] == total
+    # a page carries each round as the whole list does: its own bytes and evaluations, not a neighbour's
+    whole = {r["number"]: r for r in api.get("/rounds").json()["items"]}
+    assert page["items"] == [whole[n] for n in numbers]
+    assert all(whole[n]["bytes_down"] > 0 for n in numbers if whole[n]["state"] == "closed")
 
 
 def test_round_detail_and_its_tensors(api: httpx.Client, federation: Federation) -> None:

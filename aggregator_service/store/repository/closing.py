@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from ..models import (
@@ -15,6 +15,7 @@ from ..models import (
     Client,
     Federation,
     Round,
+    RoundBytes,
     RoundMetrics,
     TensorMetric,
     Transfer,
@@ -90,8 +91,9 @@ def transfer_category(kind: str) -> str:
 def record_transfers(session: Session, fed: Federation, transfers: Iterable[tuple[Any, ...]]) -> None:
     """:func:`record_transfer` for many ``(round, client id, category, bytes, per_tensor[, fedavg_equivalent_bytes])``.
 
-    Three statements in all, each run with many parameter sets, however many transfers: the
-    service counts bytes in memory and writes them here about once a second.
+    A few statements in all, each run with many parameter sets, however many transfers: the
+    service counts bytes in memory and writes them here about once a second. Each round's sums
+    per category (``round_bytes``) are added in the same statements' transaction.
     """
     moves: list[dict[str, Any]] = []
     per_tensor_totals: dict[tuple[int, str, str], int] = {}
@@ -136,8 +138,18 @@ def record_transfers(session: Session, fed: Federation, transfers: Iterable[tupl
             )
             _expire_loaded(session, Client, {str(c["cid"]) for c in clients}, column)
     if moves:
-        keys = ("federation_id", "round", "client_id", "category")
-        _add(session, Transfer.__table__, keys, ("bytes", "fedavg_equivalent_bytes"), moves)
+        counted = ("bytes", "fedavg_equivalent_bytes")
+        _add(session, Transfer.__table__, ("federation_id", "round", "client_id", "category"), counted, moves)
+        per_round: dict[tuple[int, str], list[int]] = {}
+        for m in moves:
+            sums = per_round.setdefault((m["round"], m["category"]), [0, 0])
+            sums[0] += m["bytes"]
+            sums[1] += m["fedavg_equivalent_bytes"]
+        rollup = [
+            {"federation_id": fed.id, "round": r, "category": c, "bytes": b, "fedavg_equivalent_bytes": f}
+            for (r, c), (b, f) in sorted(per_round.items())
+        ]
+        _add(session, RoundBytes.__table__, ("federation_id", "round", "category"), counted, rollup)
 
 
 def _expire_loaded(session: Session, model: type[Any], ids: set[str], column: str) -> None:
@@ -293,18 +305,18 @@ def close_round(
     # -- bandwidth, then the metrics that summarize it
     for (client_id, direction), nbytes in transfer_totals.items():
         record_transfer(session, row, round_number, client_id, direction, nbytes)
-    # (a snapshot at the close: evaluation fetches come later; the dashboard sums ``transfers`` instead)
-    totals = {
-        d: (int(b or 0), int(f or 0))
-        for d, b, f in session.execute(
-            select(Transfer.direction, func.sum(Transfer.bytes), func.sum(Transfer.fedavg_equivalent_bytes))
-            .where(Transfer.federation_id == row.id, Transfer.round == round_number)
-            .group_by(Transfer.direction)
-        ).all()
-    }
-    metrics_row.setdefault("bytes_up", totals.get("up", (0, 0))[0])
-    metrics_row.setdefault("bytes_down", totals.get("down", (0, 0))[0])
-    metrics_row.setdefault("fedavg_equivalent_bytes", sum(f for _, f in totals.values()))
+    # (a snapshot at the close: evaluation fetches come later; the dashboard sums ``round_bytes`` instead)
+    totals = {"down": 0, "up": 0, "fedavg": 0}
+    for category, b, f in session.execute(
+        select(RoundBytes.category, RoundBytes.bytes, RoundBytes.fedavg_equivalent_bytes).where(
+            RoundBytes.federation_id == row.id, RoundBytes.round == round_number
+        )
+    ).all():
+        totals[TRANSFER_CATEGORIES[category]] += int(b)
+        totals["fedavg"] += int(f)
+    metrics_row.setdefault("bytes_up", totals["up"])
+    metrics_row.setdefault("bytes_down", totals["down"])
+    metrics_row.setdefault("fedavg_equivalent_bytes", totals["fedavg"])
     metrics_row.setdefault("duration_seconds", (t - rnd.opened_at).total_seconds())
     session.add(RoundMetrics(federation_id=row.id, round=round_number, **metrics_row))
     session.flush()

@@ -1,4 +1,5 @@
-"""Migration 0005 (transfer categories) on a database written at 0004: old rows keep their bytes and baseline."""
+"""Migrations 0005 (transfer categories) and 0006 (round bytes) on a database written at 0004: old rows keep
+their bytes and baseline, and each round's sums per category are filled in from them."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def test_0005_maps_old_directions_to_categories_and_keeps_the_old_baseline(db_ur
     fed_id, clients = _old_database(db_url)
     metrics_before = _rows(db_url, "SELECT * FROM round_metrics")
     store.upgrade(db_url)
-    assert store.current_revision(db_url) == "0005_transfer_categories"
+    assert store.current_revision(db_url) == store.head_revision()
 
     got = _rows(
         db_url,
@@ -85,6 +86,13 @@ def test_0005_maps_old_directions_to_categories_and_keeps_the_old_baseline(db_ur
     # round 1's rows sum to its old baseline, 2 × cohort × model; round_metrics is untouched
     assert _rows(db_url, "SELECT SUM(fedavg_equivalent_bytes) FROM transfers WHERE round = 1") == [(2 * 3 * MODEL,)]
     assert _rows(db_url, "SELECT * FROM round_metrics") == metrics_before
+    # 0006 sums them per round and category: 3 clients × 1000 down and × 700 up; round 2's one fetch
+    round_bytes = "SELECT round, category, bytes, fedavg_equivalent_bytes FROM round_bytes ORDER BY round, category"
+    assert _rows(db_url, round_bytes) == [
+        (1, "push", 2100, 3 * MODEL),
+        (1, "train_fetch", 3000, 3 * MODEL),
+        (2, "train_fetch", 40, MODEL),
+    ]
 
     # the upgraded table takes the new categories, one row per (round, client, category)
     engine = store.create_engine_for(db_url)
@@ -100,6 +108,12 @@ def test_0005_maps_old_directions_to_categories_and_keeps_the_old_baseline(db_ur
         f"SELECT category, bytes, fedavg_equivalent_bytes FROM transfers WHERE round = 1 AND client_id = '{clients[0]}'"
         " ORDER BY category",
     ) == [("eval_fetch", 55, MODEL), ("push", 705, MODEL), ("train_fetch", 1000, MODEL)]
+    assert _rows(db_url, round_bytes) == [
+        (1, "eval_fetch", 55, MODEL),
+        (1, "push", 2105, 3 * MODEL),
+        (1, "train_fetch", 3000, 3 * MODEL),
+        (2, "train_fetch", 40, MODEL),
+    ]
 
     # and down again: one down row per (round, client) holding both fetches, the up rows as they were
     store.downgrade(db_url, OLD)
@@ -115,5 +129,6 @@ def test_0005_maps_old_directions_to_categories_and_keeps_the_old_baseline(db_ur
 def test_0005_upgrades_an_empty_0004_database(db_url):
     store.upgrade(db_url, OLD)
     store.upgrade(db_url)
-    assert store.current_revision(db_url) == "0005_transfer_categories"
+    assert store.current_revision(db_url) == store.head_revision()
     assert _rows(db_url, "SELECT COUNT(*) FROM transfers") == [(0,)]
+    assert _rows(db_url, "SELECT COUNT(*) FROM round_bytes") == [(0,)]
