@@ -16,6 +16,7 @@ import math
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -531,7 +532,7 @@ def build_server(
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.health_servicer = health_servicer  # type: ignore[attr-defined]  # for serve() and the ticker
+    server.health_servicer = health_servicer  # type: ignore[attr-defined]  # for serve()
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
@@ -548,29 +549,55 @@ def build_server(
 
 
 class DeadlineTicker(threading.Thread):
-    """Calls ``coordinator.tick()`` every ``interval`` seconds; health follows the federation's state."""
+    """Calls ``coordinator.tick()`` every ``interval`` seconds.
+
+    A failing tick (the database away for an hour) is logged with its traceback once; the same error
+    again only as one line every ``repeat_log_seconds``, counting the failures, and the first tick that
+    succeeds after them as ``tick_recovered``. Health does not follow a pause: a paused federation is a
+    healthy server that must stay reachable, to tell its clients it is paused and to be resumed.
+    """
 
     def __init__(
-        self, coordinator: Coordinator, health_servicer: health.HealthServicer | None = None, interval: float = 1.0
+        self,
+        coordinator: Coordinator,
+        interval: float = 1.0,
+        *,
+        repeat_log_seconds: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(name="deadline-ticker", daemon=True)
-        self.coordinator, self.health, self.interval = coordinator, health_servicer, interval
+        self.coordinator, self.interval = coordinator, interval
+        self.repeat_log_seconds, self.clock = repeat_log_seconds, clock
         self.stopped = threading.Event()
+        self.failures = 0  # consecutive failed ticks
+        self._last_error: tuple[type, str] | None = None
+        self._last_logged = 0.0
 
     def run(self) -> None:
         while not self.stopped.wait(self.interval):
-            try:
-                self.coordinator.tick()
-            except Exception:
-                log.exception(kv("tick_failed"))
-            if self.health is not None:
-                status = (
-                    health_pb2.HealthCheckResponse.NOT_SERVING
-                    if self.coordinator.state == "paused"
-                    else health_pb2.HealthCheckResponse.SERVING
-                )
-                for name in ("", SERVICE_NAME):
-                    self.health.set(name, status)
+            self.tick_once()
+
+    def tick_once(self) -> None:
+        """One tick, logged as above."""
+        try:
+            self.coordinator.tick()
+        except Exception as exc:
+            self._failed(exc)
+            return
+        if self.failures:
+            log.info(kv("tick_recovered", failures=self.failures))
+            self.failures, self._last_error = 0, None
+
+    def _failed(self, exc: Exception) -> None:
+        self.failures += 1
+        error, now = (type(exc), str(exc)), self.clock()
+        text = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+        if error != self._last_error:  # the first failure, or another error than the last: with its traceback
+            log.exception(kv("tick_failed", failures=self.failures, error=text))
+            self._last_error, self._last_logged = error, now
+        elif now - self._last_logged >= self.repeat_log_seconds:
+            log.error(kv("tick_failed", failures=self.failures, error=text))
+            self._last_logged = now
 
     def stop(self) -> None:
         self.stopped.set()
@@ -598,7 +625,7 @@ def serve(settings: AggregatorSettings) -> int:
 def _serve(settings: AggregatorSettings, lock: store.FederationLock) -> int:
     server, port, coordinator = build_server(settings)
     health_servicer: health.HealthServicer = server.health_servicer  # type: ignore[attr-defined]
-    ticker = DeadlineTicker(coordinator, health_servicer)
+    ticker = DeadlineTicker(coordinator)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -179,7 +179,7 @@ def _start_aggregator(settings: AggregatorSettings) -> tuple[Any, int, Any]:
 
     reuse_message_buffers()  # as `fedatoms aggregator serve` does
     server, port, coordinator = build_server(settings)
-    ticker = DeadlineTicker(coordinator, server.health_servicer)  # type: ignore[attr-defined]
+    ticker = DeadlineTicker(coordinator)
     server.start()
     ticker.start()
     return server, port, ticker

@@ -1,9 +1,9 @@
 """The aggregator image's health probe: ``fedatoms-grpc-health live|ready``.
 
 ``live``: the gRPC health service answers ``Check`` at all (SERVING or NOT_SERVING): the process
-is up and its server thread pool works. A *paused* federation reports NOT_SERVING, so liveness
-must not ask for SERVING, or a pause would get the aggregator restarted.
-``ready``: ``Check`` answers SERVING (not paused, not shutting down): send clients to it.
+is up and its server thread pool works, even while it shuts down gracefully (NOT_SERVING).
+``ready``: ``Check`` answers SERVING (not shutting down; a paused federation is SERVING, as its
+clients must still reach it to be told so): send clients to it.
 
 Address from ``FEDATOMS_HEALTH_ADDR`` (default ``127.0.0.1:`` + the port of ``FEDATOMS_LISTEN``).
 With ``FEDATOMS_TLS_CERT`` set the probe speaks TLS, trusting that certificate, and checks it for

@@ -6,13 +6,18 @@ client names built to break a log line: quotes, spaces and ``key=value`` text th
 accepted; and names the service refuses at the door (a newline with a forged line after it, a NUL,
 300 kB), which must not reach the log at all. The log is then parsed line by line with an
 independent reader: a regex over ``key=value`` and ``key="json string"``, or ``json.loads``.
+
+A database that stays away does not flood the log either: the deadline ticker logs one traceback,
+then a counted line a minute, then its recovery.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +25,10 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_helpers import SECRET
+from sqlalchemy.engine import make_url
 from support import free_port, wait_serving
 
+from aggregator_service.server import DeadlineTicker
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
@@ -93,3 +100,38 @@ def test_client_controlled_values_cannot_forge_or_flood_log_lines(tmp_path, log_
     assert max(len(line) for line in lines) < 2_000
     assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}", r["ts"]) for r in records)
     assert {r["level"] for r in records} <= {"DEBUG", "INFO", "WARNING", "ERROR"}
+
+
+def test_a_failing_tick_logs_one_traceback_then_a_counted_line_a_minute_then_its_recovery(
+    start_service, sqlite_url, caplog
+) -> None:
+    """Every tick fails with the same real SQLite error (the federations table renamed away under the
+    running aggregator) for 150 ticks, a second apart on the ticker's clock: one traceback, not 150."""
+    svc = start_service(sqlite_url)
+    now = [0.0]
+    ticker = DeadlineTicker(svc.coordinator, clock=lambda: now[0])
+    caplog.set_level(logging.INFO, logger="fedatoms.aggregator")
+    db = sqlite3.connect(make_url(sqlite_url).database, timeout=30, isolation_level=None)
+    try:
+        db.execute("ALTER TABLE federations RENAME TO federations_away")
+        for _ in range(150):
+            ticker.tick_once()
+            now[0] += 1.0
+        db.execute("ALTER TABLE federations_away RENAME TO federations")
+    finally:
+        db.close()
+    ticker.tick_once()
+    ticker.tick_once()  # running again: nothing more to say
+
+    records = [r for r in caplog.records if r.getMessage().startswith(("event=tick_failed", "event=tick_recovered"))]
+    lines = [r.getMessage() for r in records]
+    assert [line.split(" error=")[0] for line in lines] == [
+        "event=tick_failed failures=1",
+        "event=tick_failed failures=61",
+        "event=tick_failed failures=121",
+        "event=tick_recovered failures=150",
+    ], lines
+    assert [r.exc_info is not None for r in records] == [True, False, False, False]
+    assert all("no such table: federations" in line for line in lines[:3]), lines
+    assert "\n" not in "".join(lines)
+    assert svc.coordinator.state == "running"
