@@ -174,7 +174,8 @@ def _round_dict(row: Any, evals: dict[str, Any] | None) -> dict[str, Any]:
         # clients evaluate after the close, so the evaluations table is fresher than the metrics row
         "mean_client_accuracy": mean_acc if mean_acc is not None else (m.mean_client_accuracy if m else None),
         "personalized_accuracy": personal if personal is not None else (m.personalized_accuracy if m else None),
-        "evaluations": int(evals.get("clients", 0)),
+        # a round past the aggregator's history_rounds has its evaluations summarized into its metrics row
+        "evaluations": int(evals.get("clients", ((m.extra if m else None) or {}).get("evaluations", 0))),
         "dispersion": m.dispersion if m else None,
         "latent_clients": m.latent_clients if m else None,
         "bytes_down": int(row.bytes_down or 0),

@@ -153,6 +153,8 @@ class Closing:
                             next_round=None if done else plan.round + 1,
                         )
                         save_strategy_groups(s, shared.fed_row, strategy_groups)
+                        if shared.settings.history_rounds is not None:
+                            store.prune_history(s, shared.fed_row, plan.round, shared.settings.history_rounds)
             except Exception as exc:
                 self.ledger.unwrite(drained)
                 self._after_failure(plan.round, exc)

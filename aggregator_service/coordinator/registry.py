@@ -50,7 +50,10 @@ class Registry:
         self._tried_configured: str | None = None  # the stored hash the configured secret was tried against
         self._refusals = 0  # wrong secrets not yet logged: a flood is logged as counts, not line by line
         self._refusals_logged = float("-inf")
+        # client id → when its last-seen time was last refreshed; only the last ``touch_every`` matters,
+        # so older entries are dropped as it passes (months of churning client ids would otherwise pile up)
         self._touched: dict[str, datetime] = {}
+        self._touched_pruned: datetime | None = None
         self.touch_every = timedelta(seconds=min(5.0, shared.settings.heartbeat_timeout_seconds / 4))
         self._lock = threading.Lock()
         self._pending: dict[str, datetime] = {}  # client id → last seen, not yet written
@@ -182,9 +185,12 @@ class Registry:
         last = self._touched.get(client_id)
         if last is not None and now - last < self.touch_every:
             return None
-        self._touched[client_id] = now
         fresh = now - last_seen < timedelta(seconds=self.shared.settings.heartbeat_timeout_seconds / 2)
-        with self._lock:
+        with self._lock:  # writers of ``_touched`` hold it, so the pruning never iterates a dict being changed
+            if self._touched_pruned is None or now - self._touched_pruned >= self.touch_every:
+                self._touched = {c: t for c, t in self._touched.items() if now - t < self.touch_every}
+                self._touched_pruned = now
+            self._touched[client_id] = now
             self._pending[client_id] = now
             since = self._pending_since = self._pending_since or now
             if fresh and now - since < self.TOUCH_BATCH:

@@ -38,6 +38,10 @@ class _LatePush(FailedPrecondition):
 class Uploads:
     """PushUpdate; no lock of its own. ``close`` closes a round its push completed (the caller marked it closing)."""
 
+    #: clients whose declared sample count is remembered; past it the memory starts over (a miss is one
+    #: read), so the ids a long-running federation enrols and forgets never pile up
+    DECLARED_CACHE = 65_536
+
     def __init__(self, shared: Shared, ledger: Ledger, close: Callable[[OpenRound, str], None]) -> None:
         self.shared = shared
         self.ledger = ledger
@@ -50,7 +54,10 @@ class Uploads:
         if declared is None:
             with self.shared.reader.connect() as conn:
                 profile = conn.execute(select(store.Client.profile).where(store.Client.id == client_id)).scalar_one()
-            declared = self._declared[client_id] = int((profile or {}).get("num_samples") or 0)
+            declared = int((profile or {}).get("num_samples") or 0)
+            if len(self._declared) >= self.DECLARED_CACHE:
+                self._declared.clear()
+            self._declared[client_id] = declared
         return declared
 
     def push(

@@ -130,3 +130,22 @@ def test_last_seen_refreshes_are_batched_but_never_let_a_client_look_offline(coo
         assert store.revoke_client(s, a.client_id)
     with pytest.raises(Unauthenticated, match="revoked"):  # no cached authentication outlives a revocation
         c.authenticate(a.token)
+
+
+def test_what_is_remembered_per_client_stays_bounded_as_clients_come_and_go(coordinator) -> None:
+    """Months of devices enrolling once and never returning leave no per-client memory behind."""
+    c, clock = coordinator
+    regs = [c.register(CapabilityProfile(num_samples=10 + i, preferred_tier=1.0), SECRET) for i in range(6)]
+    for reg in regs:  # each call a little later: a wave of clients that then goes quiet
+        c.authenticate(reg.token)
+        clock.now += timedelta(seconds=0.1)
+    assert len(c.registry._touched) == 6
+    clock.now += c.registry.touch_every
+    last = c.authenticate(regs[0].token)  # the next refresh forgets those older than the refresh interval
+    assert set(c.registry._touched) == {last.id}
+    assert _last_seen(c, last.id) <= clock.now
+
+    c.uploads.DECLARED_CACHE = 4  # the registered sample counts, read back whatever was forgotten
+    for _ in range(2):
+        assert [c.uploads._declared_samples(r.client_id) for r in regs] == [10 + i for i in range(6)]
+        assert len(c.uploads._declared) <= 4

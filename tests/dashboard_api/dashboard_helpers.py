@@ -63,6 +63,8 @@ class Federation:
     clients: list[Client]
     spare: Client
     evaluated: dict[int, set[str]] = field(default_factory=dict)
+    #: round → what each reporter sent: (global accuracy, personalized accuracy or None, num_samples)
+    reports: dict[int, list[tuple[float, float | None, int]]] = field(default_factory=dict)
 
     @contextmanager
     def session(self) -> Iterator[tuple[Session, store.Federation]]:
@@ -87,7 +89,7 @@ class Federation:
         return [*self.clients, self.spare]
 
 
-def _report(client: Client, round_: int, test_data) -> None:
+def _report(client: Client, round_: int, test_data) -> tuple[float, float | None, int]:
     client.fetch()
     ev = evaluate_client(client.state, client.spec, test_data)
     request = pb.EvaluationReport(
@@ -96,10 +98,12 @@ def _report(client: Client, round_: int, test_data) -> None:
     if ev.personalized_accuracy is not None:
         request.personalized_accuracy = ev.personalized_accuracy
     assert client.stub.ReportEvaluation(request, metadata=client.auth).recorded
+    return ev.global_accuracy, ev.personalized_accuracy, ev.num_samples
 
 
-def run_federation(url: str) -> Iterator[Federation]:
+def run_federation(url: str, history_rounds: int | None = None) -> Iterator[Federation]:
     settings = AggregatorSettings(
+        history_rounds=history_rounds,
         listen="127.0.0.1:0",
         database_url=url,
         enrollment_secret=SECRET,
@@ -129,6 +133,7 @@ def run_federation(url: str) -> Iterator[Federation]:
         test_data = load_dataset("digits")[1]
         clients = [register(stub, tier, data[i], name=f"dev-{i}") for i, tier in enumerate((1.0, 0.25, 1.0))]
         evaluated: dict[int, set[str]] = {}
+        reports: dict[int, list[tuple[float, float | None, int]]] = {}
         for round_ in range(1, ROUNDS_CLOSED + 1):
             for c in clients:
                 got, reply = c.round_trip()
@@ -136,8 +141,7 @@ def run_federation(url: str) -> Iterator[Federation]:
             assert coordinator.federation.round == round_
             # every client evaluates round 1 and 3, only the first two round 2
             reporters = clients if round_ != 2 else clients[:2]
-            for c in reporters:
-                _report(c, round_, test_data)
+            reports[round_] = [_report(c, round_, test_data) for c in reporters]
             evaluated[round_] = {c.client_id for c in reporters}
         task = clients[0].task()  # opens round 4; one update comes in, the round stays open
         assert task.WhichOneof("kind") == "train" and task.train.round == ROUNDS_CLOSED + 1
@@ -145,7 +149,7 @@ def run_federation(url: str) -> Iterator[Federation]:
         push = clients[0].train(task)
         assert clients[0].push(task.train.round, push.tensors, num_samples=push.num_samples).accepted
         spare = register(stub, 1.0, data[3], name="spare")
-        yield Federation(url, coordinator, channel, clients, spare, evaluated)
+        yield Federation(url, coordinator, channel, clients, spare, evaluated, reports)
     finally:
         ticker.stop()
         channel.close()

@@ -61,6 +61,7 @@ from .reports import (
     round_tensor_metrics,
     tensor_metric_history,
 )
+from .retention import prune_history
 from .rounds import (
     abandon_round,
     consume_round_updates,
@@ -124,6 +125,7 @@ __all__ = [
     "lock_round",
     "online_clients",
     "open_round",
+    "prune_history",
     "record_evaluation",
     "record_transfer",
     "record_transfers",
