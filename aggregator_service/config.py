@@ -444,8 +444,9 @@ class AggregatorSettings(TomlSettings):
     update_norm_mode: Literal["reject", "clip"] = "reject"
     #: How `aggregator serve` writes its log: "logfmt" (key=value lines) or "json" (one JSON object a line).
     log_format: Literal["logfmt", "json"] = "logfmt"
-    #: Per-client and per-tensor history (transfers, evaluations, tensor metrics) kept for this many latest
-    #: closed rounds; older rounds keep their totals and curves. Unset: everything is kept.
+    #: Per-client and per-tensor history (transfers, evaluations, tensor metrics) kept for the rounds numbered
+    #: within this many of the last closed one; older rounds keep their bytes, accuracies and evaluation
+    #: counts, not their per-tensor intervals. Unset: everything is kept.
     history_rounds: int | None = Field(default=None, ge=1)
     #: Server-side test set evaluated after every round, named as a client's ``--data``: a bundled dataset
     #: ("digits"), an ImageFolder directory or an import reference; the test split of it is evaluated.

@@ -135,7 +135,7 @@ class Closing:
                     # a push that committed after the read must be folded too: fold again
                     refold = rnd.state == "open" and _stored(s, shared.fed_row, plan.round) != folded
                     if not refold:
-                        drained = self.ledger.write(s)  # the round's metrics sum its transfers
+                        drained = self.ledger.write(s)  # the round's metrics sum its bytes
                         store.close_round(
                             s,
                             shared.fed_row,

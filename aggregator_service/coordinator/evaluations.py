@@ -49,6 +49,8 @@ class Evaluations:
                 ).scalar()
             if state != "closed":
                 raise FailedPrecondition(f"round {round_} has not closed: evaluate a model version you fetched")
+            if len(self._closed_rounds) >= 4096:  # a bound on memory over months of rounds; a miss is one read
+                self._closed_rounds.clear()
             self._closed_rounds.add(round_)
         return shared.writes.run(
             lambda s: store.record_evaluation(

@@ -3,7 +3,8 @@
 Every byte the service moves is counted here, under its category (``train_fetch``,
 ``eval_fetch``, ``push``: :data:`aggregator_service.metrics.CATEGORIES`), with the transfer's
 FedAvg-equivalent (:func:`aggregator_service.metrics.fedavg_equivalent_bytes`, the rule the
-in-process simulator applies too); the ``transfers`` table it writes is what every surface sums.
+in-process simulator applies too); the ``transfers`` table it writes, and its per-round sums
+``round_bytes`` written with it, are what every surface reads.
 
 A fetch so costs no statements of its own for bandwidth: its count is written with a round's
 close (its metrics sum its transfers) or by the ticker's next flush; a SIGKILL loses at most the

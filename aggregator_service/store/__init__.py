@@ -49,6 +49,7 @@ from .models import (
 from .ownership import FederationBusy, FederationLock, LockUnconfirmed, exclusive_federation
 from .repository import (
     ENROLLMENT_PBKDF2_ITERATIONS,
+    MAX_ROUNDS_PER_PRUNE,
     ROUND_METRIC_FIELDS,
     SERVER_CONTROL,
     TENSOR_METRIC_FIELDS,
@@ -111,6 +112,7 @@ from .repository import (
 __all__ = [
     "ENROLLMENT_PBKDF2_ITERATIONS",
     "FEDERATION_STATES",
+    "MAX_ROUNDS_PER_PRUNE",
     "MIGRATIONS_DIR",
     "ROUND_METRIC_FIELDS",
     "ROUND_STATES",

@@ -164,6 +164,9 @@ class Federation(Base):
     enrollment_secret_hash: Mapped[str] = mapped_column(String(256))
     strategy_state: Mapped[dict[str, Any]] = mapped_column("strategy_state_json", JSONText, default=dict)
     policy_state: Mapped[dict[str, Any]] = mapped_column("policy_state_json", JSONText, default=dict)
+    #: rounds up to this one have lost their per-client and per-tensor rows (``history_rounds``): a late
+    #: evaluation or transfer for one of them adds to its totals only
+    history_pruned_through: Mapped[int] = mapped_column(Integer, server_default=text("0"), deferred=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
@@ -382,7 +385,8 @@ class Transfer(Base):
 
     ``category`` is ``train_fetch``, ``eval_fetch`` or ``push`` (``direction`` follows from it:
     down, down, up); ``fedavg_equivalent_bytes`` is what plain FedAvg moves for the same transfers
-    (:func:`aggregator_service.metrics.fedavg_equivalent_bytes`). Every surface sums this table.
+    (:func:`aggregator_service.metrics.fedavg_equivalent_bytes`). Surfaces read its per-round sums,
+    :class:`RoundBytes`; a client's own per-round bytes come from here.
     """
 
     __tablename__ = "transfers"
@@ -407,9 +411,9 @@ class Transfer(Base):
 class RoundBytes(Base):
     """A round's bytes per category, the ``transfers`` ledger summed over its clients as it is written.
 
-    :func:`~aggregator_service.store.record_transfers` adds to both in one transaction, so they never
-    disagree; the surfaces that sum a federation's bytes read this table, whose size grows with its
-    rounds, not with rounds × cohort (a year of rounds stays a few thousand rows per category).
+    :func:`~aggregator_service.store.record_transfers` adds to both in one transaction; the surfaces
+    that sum a federation's bytes read this table, whose size grows with its rounds, not with rounds ×
+    cohort, and which keeps a round's sums when ``history_rounds`` deletes its ``transfers`` rows.
     """
 
     __tablename__ = "round_bytes"

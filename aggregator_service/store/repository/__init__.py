@@ -61,7 +61,7 @@ from .reports import (
     round_tensor_metrics,
     tensor_metric_history,
 )
-from .retention import prune_history
+from .retention import MAX_ROUNDS_PER_PRUNE, prune_history
 from .rounds import (
     abandon_round,
     consume_round_updates,
@@ -89,6 +89,7 @@ from .tensors import (
 
 __all__ = [
     "ENROLLMENT_PBKDF2_ITERATIONS",
+    "MAX_ROUNDS_PER_PRUNE",
     "ROUND_METRIC_FIELDS",
     "SERVER_CONTROL",
     "TENSOR_METRIC_FIELDS",

@@ -93,8 +93,11 @@ def record_transfers(session: Session, fed: Federation, transfers: Iterable[tupl
 
     A few statements in all, each run with many parameter sets, however many transfers: the
     service counts bytes in memory and writes them here about once a second. Each round's sums
-    per category (``round_bytes``) are added in the same statements' transaction.
+    per category (``round_bytes``) are added first (their rows are the ones every writer shares,
+    so taking them first keeps concurrent writers in one lock order), then the clients' counters,
+    and, for rounds whose history is kept (:func:`prune_history`), the per-client and per-tensor rows.
     """
+    pruned = int(session.scalar(select(Federation.history_pruned_through).where(Federation.id == fed.id)) or 0)
     moves: list[dict[str, Any]] = []
     per_tensor_totals: dict[tuple[int, str, str], int] = {}
     per_client: dict[tuple[str, str], int] = {}
@@ -118,12 +121,24 @@ def record_transfers(session: Session, fed: Federation, transfers: Iterable[tupl
             }
         )
         per_client[(client_id, direction)] = per_client.get((client_id, direction), 0) + nbytes
+    counted = ("bytes", "fedavg_equivalent_bytes")
+    per_round: dict[tuple[int, str], list[int]] = {}
+    for m in moves:
+        sums = per_round.setdefault((m["round"], m["category"]), [0, 0])
+        sums[0] += m["bytes"]
+        sums[1] += m["fedavg_equivalent_bytes"]
+    if per_round:
+        rollup = [
+            {"federation_id": fed.id, "round": r, "category": c, "bytes": b, "fedavg_equivalent_bytes": f}
+            for (r, c), (b, f) in sorted(per_round.items())
+        ]
+        _add(session, RoundBytes.__table__, ("federation_id", "round", "category"), counted, rollup)
     for direction in TRANSFER_DIRECTIONS:
         column = f"bytes_{direction}"
         rows = [
             {"federation_id": fed.id, "round": r, "name": n, column: b}
             for (r, n, d), b in sorted(per_tensor_totals.items())
-            if d == direction
+            if d == direction and r > pruned
         ]
         if rows:
             _add(session, TensorMetric.__table__, ("federation_id", "round", "name"), column, rows)
@@ -137,19 +152,9 @@ def record_transfers(session: Session, fed: Federation, transfers: Iterable[tupl
                 clients,
             )
             _expire_loaded(session, Client, {str(c["cid"]) for c in clients}, column)
-    if moves:
-        counted = ("bytes", "fedavg_equivalent_bytes")
-        _add(session, Transfer.__table__, ("federation_id", "round", "client_id", "category"), counted, moves)
-        per_round: dict[tuple[int, str], list[int]] = {}
-        for m in moves:
-            sums = per_round.setdefault((m["round"], m["category"]), [0, 0])
-            sums[0] += m["bytes"]
-            sums[1] += m["fedavg_equivalent_bytes"]
-        rollup = [
-            {"federation_id": fed.id, "round": r, "category": c, "bytes": b, "fedavg_equivalent_bytes": f}
-            for (r, c), (b, f) in sorted(per_round.items())
-        ]
-        _add(session, RoundBytes.__table__, ("federation_id", "round", "category"), counted, rollup)
+    kept = [m for m in moves if m["round"] > pruned]
+    if kept:
+        _add(session, Transfer.__table__, ("federation_id", "round", "client_id", "category"), counted, kept)
 
 
 def _expire_loaded(session: Session, model: type[Any], ids: set[str], column: str) -> None:

@@ -24,7 +24,11 @@ __all__ = [
 # --------------------------------------------------------------------------- evaluations
 
 # Statements every report runs, built once (see ``_common.prebuilt``).
-_ROUND_EXISTS = select(Round.number).where(Round.federation_id == bindparam("fed"), Round.number == bindparam("round"))
+_ROUND_EXISTS = (
+    select(Federation.history_pruned_through)
+    .join(Round, Round.federation_id == Federation.id)
+    .where(Round.federation_id == bindparam("fed"), Round.number == bindparam("round"))
+)
 _SET_LAST_ACCURACY = (
     update(Client.__table__)  # type: ignore[arg-type]  # a Table at runtime
     .where(Client.__table__.c.id == bindparam("cid"))
@@ -52,7 +56,8 @@ def record_evaluation(
     num_samples: int = 0,
     now: datetime | None = None,
 ) -> bool:
-    """Record a client's evaluation after ``round``; ``False`` when it had reported already (the first stands).
+    """Record a client's evaluation after ``round``; ``False`` when it had reported already (the first stands)
+    or the round's history is pruned (``history_rounds``: its evaluations are summarized already).
 
     A client that retries a report whose reply it lost sends the same numbers again; keeping the
     first makes the retry harmless and needs no read before the write (``INSERT … ON CONFLICT DO
@@ -66,8 +71,11 @@ def record_evaluation(
         "reported_at": _now(now),
     }
     conn = session.connection()
-    if conn.execute(_ROUND_EXISTS, {"fed": fed.id, "round": round}).first() is None:
+    found = conn.execute(_ROUND_EXISTS, {"fed": fed.id, "round": round}).first()
+    if found is None:
         raise NotFound(f"federation {fed.name!r} has no round {round}")
+    if round <= found[0]:
+        return False
     row = {"federation_id": fed.id, "round": round, "client_id": client_id, **values}
     if conn.execute(_first_evaluation(conn.dialect.name), row).first() is None:
         return False

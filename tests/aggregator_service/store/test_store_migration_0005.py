@@ -22,8 +22,18 @@ def _old_database(url: str) -> tuple[int, list[str]]:
     store.upgrade(url, OLD)
     engine = store.create_engine_for(url)
     try:
+        with engine.begin() as conn:  # federations at 0004: without 0006's column, so not through the ORM's insert
+            conn.execute(
+                text(
+                    "INSERT INTO federations (name, config_json, state, current_round, enrollment_secret_hash,"
+                    " strategy_state_json, policy_state_json, created_at, updated_at)"
+                    " VALUES ('old', '{\"model\": \"digits-cnn\"}', 'running', 0, :h, '{}', '{}', :t, :t)"
+                ),
+                {"h": store.hash_secret(SECRET, iterations=FAST_PBKDF2), "t": T0},
+            )
         with store.session_factory(engine).begin() as s:  # these tables are the same at 0004 and head
-            fed = store.create_federation(s, "old", {"model": "digits-cnn"}, SECRET, iterations=FAST_PBKDF2, now=T0)
+            fed = store.get_federation(s, "old")
+            assert fed is not None
             clients = [store.register_client(s, fed, {}, 1.0, now=T0)[0].id for _ in range(3)]
             store.open_round(s, fed, 1, clients, ["w"], False, T0 + timedelta(minutes=5), now=T0)
             s.flush()

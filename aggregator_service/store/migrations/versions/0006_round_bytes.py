@@ -1,4 +1,4 @@
-"""round_bytes: each round's bytes per category, kept with the transfers ledger
+"""round_bytes: each round's bytes per category, kept with the transfers ledger; history pruning
 
 Revision ID: 0006_round_bytes
 Revises: 0005_transfer_categories
@@ -7,7 +7,10 @@ Create Date: 2026-11-30 00:00:00
 The dashboard and the simulator's records summed the whole ``transfers`` table (a row per round,
 client and category) on every request. ``round_bytes`` holds the same sums per round and
 category, added to in the transaction that adds to ``transfers``; upgrading fills it from the
-rows already there. Downgrading drops it (``transfers`` still holds every byte).
+rows already there. ``federations.history_pruned_through`` marks the rounds whose ``transfers``,
+``evaluations`` and ``tensor_metrics`` ``history_rounds`` deleted. Downgrading drops both, and is
+refused once a federation has pruned: ``transfers`` then no longer holds every byte, and a
+re-upgrade would rebuild ``round_bytes`` without them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
+    with op.batch_alter_table("federations") as batch:
+        batch.add_column(sa.Column("history_pruned_through", sa.Integer(), server_default=sa.text("0"), nullable=False))
     op.create_table(
         "round_bytes",
         sa.Column("federation_id", sa.Integer(), nullable=False),
@@ -56,4 +61,13 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    pruned = op.get_bind().execute(sa.text("SELECT name FROM federations WHERE history_pruned_through > 0")).all()
+    if pruned:
+        names = ", ".join(repr(n) for (n,) in pruned)
+        raise RuntimeError(
+            f"cannot downgrade below 0006: federation {names} pruned old rounds' transfers (history_rounds), "
+            "whose bytes only round_bytes still holds; restore a backup taken before, or stay at 0006"
+        )
     op.drop_table("round_bytes")
+    with op.batch_alter_table("federations") as batch:
+        batch.drop_column("history_pruned_through")
