@@ -363,13 +363,31 @@ def model_spec(config: Any) -> ModelSpec:
     )
 
 
-def stored_spec(stored: Mapping[str, Any]) -> ModelSpec:
-    """The model spec of a federation config as the store keeps it, without re-checking its other keys: a
-    finished federation stays exportable where its strategy's code is absent, or a newer release would
-    refuse a key it once accepted."""
+#: method keys added after federations were stored, with the behaviour a federation stored without
+#: one ran with: it keeps that behaviour across an upgrade instead of being refused or changed
+KEYS_SINCE: dict[str, Any] = {
+    "tier_init": "truncated",
+    "tier_average": "aligned",
+    "lama_warmup": "rounds",
+    "tier_training": "own",
+    "full_rank_share": 0.0,
+}
+
+
+def stored_keys(stored: Mapping[str, Any]) -> SimpleNamespace:
+    """Every key of a federation config as the store keeps it, without re-checking them: a key it predates
+    at the behaviour it ran with (:data:`KEYS_SINCE`), any other missing one at its default. A finished
+    federation so stays exportable where its strategy's code is absent, or a newer release would refuse a
+    key it once accepted."""
     keys = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(FederationConfig)}  # type: ignore[misc]
+    keys.update(KEYS_SINCE)
     keys.update({k: v for k, v in stored.items() if k in keys})
-    return model_spec(SimpleNamespace(**keys))
+    return SimpleNamespace(**keys)
+
+
+def stored_spec(stored: Mapping[str, Any]) -> ModelSpec:
+    """The model spec of a federation config as the store keeps it (:func:`stored_keys`)."""
+    return model_spec(stored_keys(stored))
 
 
 # --------------------------------------------------------------------------- the aggregator service

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 from sqlalchemy import func, inspect, select
 from sqlalchemy.engine import make_url
@@ -13,16 +16,21 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from aggregator_service import store
-from aggregator_service.config import stored_spec
+from aggregator_service.config import FederationConfig, stored_keys, stored_spec
+from aggregator_service.intervals import EveryRound
+from aggregator_service.rounds import CohortSampler, Federation
+from aggregator_service.strategies.fedavg import FedAvg
 from fedcore.model_file import write_model_file
+from fedcore.spec import ModelSpec
 
 __all__ = ["export_global_model", "rebind_certificate", "revoke"]
 
 
 @contextmanager
-def _existing_store(database_url: str) -> Iterator[Session]:
+def _existing_store(database_url: str, *, read_only: bool = False) -> Iterator[Session]:
     """One transaction on a store that exists and is migrated: a mistyped URL or path is one line, and
-    creates nothing (SQLite would make an empty file of a path that names none)."""
+    creates nothing (SQLite would make an empty file of a path that names none). ``read_only``: on SQLite,
+    begin DEFERRED, so the reads never take the write lock a running aggregator commits under."""
     try:
         url = make_url(database_url)
     except ArgumentError as exc:
@@ -31,7 +39,7 @@ def _existing_store(database_url: str) -> Iterator[Session]:
     if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
         if not Path(url.database).is_file():
             raise ValueError(f"no database at {url.database}: check --database-url")
-    engine = store.create_engine_for(database_url)
+    engine = store.create_engine_for(database_url, sqlite_begin="DEFERRED" if read_only else "IMMEDIATE")
     try:
         try:  # the migrations' own table, looked up without alembic (which logs as it opens a context)
             migrated = inspect(engine).has_table("alembic_version")
@@ -54,7 +62,11 @@ def _federation(session: Session, name: str, url: str) -> store.Federation:
 
 
 def export_global_model(
-    database_url: str, round_: int | None, out: str | Path, federation_name: str = "default"
+    database_url: str,
+    round_: int | None,
+    out: str | Path,
+    federation_name: str = "default",
+    tier: float | None = None,
 ) -> tuple[Path, int]:
     """Write the global model after round ``round_`` as a model file (:mod:`fedcore.model_file`); returns the
     file and the round. ``None``: the last closed round, whichever it is when the store is read (a running
@@ -64,11 +76,15 @@ def export_global_model(
     module: the model reference, its arguments, the factorization, full-rank patterns, input shape,
     and the normalization when the federation gives one. The store keeps only the current global
     model, so ``round_`` must be the last closed round.
+
+    ``tier`` γ < 1: the model a client of that tier runs instead, the global model cut to its rank by
+    the server's own :meth:`Federation.tier_tensors` (what its fetch hands it); a tier the federation
+    does not serve is refused. ``None`` or 1: the global model.
     """
     out = Path(out)
     if out.is_dir():
         raise ValueError(f"{out} is a directory: give the model file's path, e.g. {out / 'model.safetensors'}")
-    with _existing_store(database_url) as s:
+    with _existing_store(database_url, read_only=True) as s:
         fed = _federation(s, federation_name, database_url)
         last = s.scalar(
             select(func.max(store.Round.number)).where(
@@ -83,12 +99,50 @@ def export_global_model(
                 f"round {round_} cannot be exported: the database holds the global model as of the last closed "
                 f"round, {last}" + (" (no round has closed yet; round 0 is the initial model)" if last == 0 else "")
             )
-        loaded = store.load_global_tensors(s, fed)
         config = dict(fed.config)
+        served = _served_tier(config, tier, federation_name)  # refused before the tensors are read
+        loaded = store.load_global_tensors(s, fed)
     spec = stored_spec(config)
     tensors = {name: torch.from_numpy(array).contiguous() for name, (array, _v, _i) in loaded.items()}
+    if served < 1.0:
+        spec, tensors = _tier_model(config, spec, loaded, served)
     metadata = {"federation": federation_name, "round": str(round_), "normalization": config.get("normalization")}
     return write_model_file(out, spec, tensors, metadata), round_
+
+
+def _served_tier(config: Mapping[str, Any], tier: float | None, federation_name: str) -> float:
+    """``tier`` as the federation serves it; 1 (the global model) always is."""
+    if tier is None or math.isclose(tier, 1.0):
+        return 1.0
+    tiers = sorted({1.0, *(float(t) for t in stored_keys(config).tiers)}, reverse=True)
+    for served in tiers:
+        if math.isclose(served, tier, rel_tol=1e-9):
+            return served
+    raise ValueError(
+        f"federation {federation_name!r} serves no tier {tier:g}: its tiers are {', '.join(f'{t:g}' for t in tiers)}"
+    )
+
+
+def _tier_model(
+    config: Mapping[str, Any], spec: ModelSpec, loaded: Mapping[str, tuple[np.ndarray, int, int]], tier: float
+) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """The tier's spec and tensors, cut by the very :class:`Federation` a server restores (its global tensors,
+    versions and tier settings): a tensor no round has trained yet is cut as ``tier_init`` says, as a fetch
+    cuts it. The strategy, policy and sampler are stand-ins; the cut reads none of them."""
+    keys = stored_keys(config)
+    federation = Federation(
+        spec,
+        FedAvg(),
+        EveryRound(spec.tensors),
+        CohortSampler(),
+        tiers=keys.tiers,
+        global_tensors={n: torch.from_numpy(array) for n, (array, _v, _i) in loaded.items()},
+        tier_init=keys.tier_init,
+        tier_average=keys.tier_average,
+        nested_rank_ratio=FederationConfig.nested_rank_ratio.fget(keys),  # type: ignore[attr-defined]
+    )
+    federation.versions.update({n: int(version) for n, (_a, version, _i) in loaded.items() if n in federation.versions})
+    return federation.tier_spec(tier), {n: t.contiguous() for n, t in federation.tier_tensors(tier).items()}
 
 
 def revoke(database_url: str, client_id: str) -> None:

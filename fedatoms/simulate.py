@@ -34,7 +34,7 @@ from fedcore.model_file import write_model_file
 from fedcore.model_input import Normalization, fit_to_model
 from fedcore.models import model_info
 from fedcore.reference import is_zoo
-from fedcore.training import Dataset
+from fedcore.training import Dataset, resolve_device
 
 __all__ = ["DEFAULT_MODELS", "SimulationConfig", "run_simulation"]
 
@@ -157,6 +157,8 @@ def run_simulation(
     config: SimulationConfig,
     progress: ProgressFn | None = None,
     model_out: str | Path | None = None,
+    *,
+    on_start: Callable[[], None] | None = None,
     **grpc_options: Any,
 ) -> dict[str, Any]:
     """Run ``config.rounds`` rounds and return ``{"config", "rounds", "summary"}``; with ``model_out``, the final
@@ -166,9 +168,13 @@ def run_simulation(
     (:func:`fedatoms.simulate_grpc.run_grpc_simulation`, which takes ``grpc_options``);
     both transports give the same record for the same seed. ``engine="ray"`` runs the virtual
     clients as Ray actors (:mod:`fedatoms.engines.ray_engine`), with the same record again.
+
+    ``on_start`` is called once the data, model and clients are ready, as the first round begins: a
+    progress display started there is never left behind by an error found while setting up.
     """
     if config.threads < 1:
         raise ValueError(f"threads must be ≥ 1, got {config.threads}")
+    _check_destinations(config, model_out)
     previous = torch.get_num_threads()
     torch.set_num_threads(config.threads)
     try:
@@ -176,23 +182,46 @@ def run_simulation(
             from client_agent.ray_pool import ray_session
 
             with ray_session(config.ray_address, config.ray_num_cpus):
-                return _run(config, progress, model_out, grpc_options)
-        return _run(config, progress, model_out, grpc_options)
+                return _run(config, progress, model_out, on_start, grpc_options)
+        return _run(config, progress, model_out, on_start, grpc_options)
     finally:
         torch.set_num_threads(previous)
 
 
+def _check_destinations(config: SimulationConfig, model_out: str | Path | None) -> None:
+    """Where the results and the model go, checked before the rounds run rather than after."""
+    if model_out is not None and Path(model_out).is_dir():
+        raise ValueError(
+            f"--save-model {model_out} is a directory: give the model file's path, e.g. "
+            f"{Path(model_out) / 'model.safetensors'}"
+        )
+    if config.output is not None:
+        output = Path(config.output)
+        if output.is_dir():
+            raise ValueError(
+                f"--output {output} is a directory: give the results file's path, e.g. {output / 'results.json'}"
+            )
+        if not output.parent.is_dir():
+            raise ValueError(f"--output {output}: there is no directory {output.parent}")
+
+
 def _run(
-    config: SimulationConfig, progress: ProgressFn | None, model_out: str | Path | None, grpc_options: dict[str, Any]
+    config: SimulationConfig,
+    progress: ProgressFn | None,
+    model_out: str | Path | None,
+    on_start: Callable[[], None] | None,
+    grpc_options: dict[str, Any],
 ) -> dict[str, Any]:
     if config.transport == "grpc":
         from fedatoms.simulate_grpc import run_grpc_simulation
 
-        return run_grpc_simulation(config, progress, model_out=model_out, **grpc_options)
+        return run_grpc_simulation(config, progress, model_out=model_out, on_start=on_start, **grpc_options)
     if config.transport != "inprocess":
         raise ValueError(f"unknown transport {config.transport!r}; choose one of {', '.join(TRANSPORTS)}")
     if grpc_options:
         raise ValueError(f"{', '.join(sorted(grpc_options))} only apply to --transport grpc")
+    if config.engine == "local":  # Ray's actors resolve it where they run
+        resolve_device(config.device)
     started = time.perf_counter()
     train, test = open_data(config.data or config.dataset, config.data_dir, download=config.download)
     if test is None or len(test) == 0:
@@ -207,6 +236,8 @@ def _run(
     records: list[dict[str, Any]] = []
     totals = dict.fromkeys(TOTALS, 0)
     try:
+        if on_start is not None:
+            on_start()
         for r in range(1, config.rounds + 1):
             t0 = time.perf_counter()
             plan = federation.plan(r, pool.client_ids)

@@ -51,11 +51,16 @@ def run_grpc_simulation(
     tls_ca: str | None = None,
     announce: Callable[[str], None] | None = None,
     model_out: str | Path | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the federation through gRPC; returns ``{"config", "rounds", "summary"}`` like the in-process run."""
+    """Run the federation through gRPC; returns ``{"config", "rounds", "summary"}`` like the in-process run.
+
+    ``on_start``: called once the aggregator serves and every client registered, as the agents start."""
     say = announce or (lambda text: print(text, file=sys.stderr))
     if workers is not None and config.engine == "ray":
         raise ValueError("--workers is the local engine's; with --engine ray, [simulation.resources] places clients")
+    if tls_ca is not None and not Path(tls_ca).is_file():  # before an aggregator starts, not at the first connection
+        raise ValueError(f"--tls-ca {tls_ca}: no such file")
     if config.download:
         from fedcore.data import load_dataset
 
@@ -77,6 +82,7 @@ def run_grpc_simulation(
                 deadline_seconds=3600.0,  # a simulated client is never late: its worker may just be busy
                 heartbeat_timeout_seconds=3600.0,
                 poll_interval_seconds=0.05,
+                history_rounds=None,  # the records read every round's detail back
                 eval_data=config.data or config.dataset,
                 eval_data_dir=config.data_dir,
                 federation=federation_config(config),
@@ -119,6 +125,8 @@ def run_grpc_simulation(
             agents: dict[str, Any] = dict(
                 tls_ca=tls_ca, poll=poll, torch_threads=config.threads, keep_state=keep_state, allowed_models=allowed
             )
+            if on_start is not None:
+                on_start()
             if config.engine == "ray":
                 from client_agent.ray_pool import run_ray_grpc_pool
 

@@ -1,7 +1,8 @@
 """A federation's model as one safetensors file a user can load without the aggregator.
 
-The tensors are the global model's (the full-rank γ = 1 spec the server aggregates) plus, for
-each atom layer, its reconstructed filters ``<module>.weight = α × D``. The metadata says
+The tensors are the global model's (the full-rank γ = 1 spec the server aggregates), or a tier's
+(``export --tier``: the low-rank model a client of that tier runs), plus, for each atom layer, its
+reconstructed filters ``<module>.weight = α × D`` (and at a tier each low-rank layer's ``U V``). The metadata says
 how to rebuild the module: the spec as JSON (model reference, its arguments, factorization,
 full-rank patterns, head, input shape) and, when the federation gives one, the input
 normalization. Safetensors holds only arrays and strings, so reading a file runs no code but
@@ -66,19 +67,25 @@ def write_model_file(
     tensors: Mapping[str, Tensor],
     metadata: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write the full-rank global ``tensors`` of ``spec``, the reconstructed filters, and the rebuild recipe."""
+    """Write ``spec``'s ``tensors``, the plain module's weights they stand for, and the rebuild recipe.
+
+    At γ = 1 these are the full-rank global tensors; at a tier γ < 1, that tier's factors (the model
+    a client of the tier runs), each pair's product then standing for a low-rank layer's plain weight.
+    """
     from safetensors.torch import save_file
 
-    full = spec.full()
-    missing = set(full.names) - set(tensors)
+    missing = set(spec.names) - set(tensors)
     if missing:
-        raise ValueError(f"tensors {sorted(missing)[:5]} of {full.describe()} are missing")
-    out = {n: tensors[n].detach().cpu().contiguous() for n in full.names}
-    for t in full.tensors:
+        raise ValueError(f"tensors {sorted(missing)[:5]} of {spec.describe()} are missing")
+    out = {n: tensors[n].detach().cpu().contiguous() for n in spec.names}
+    full = spec.to_full(out)  # γ = 1: the same tensors
+    for t in spec.full().tensors:
         if t.role == "atoms":
             module = t.module
-            out[f"{module}.weight"] = reconstruct_filter(out[f"{module}.coefficients"], out[t.name]).contiguous()
-    recipe = {k: v for k, v in full.to_dict().items() if k != "tensors"}
+            out[f"{module}.weight"] = reconstruct_filter(full[f"{module}.coefficients"], full[t.name]).contiguous()
+        elif t.role != "coefficients" and t.name not in out:
+            out[t.name] = full[t.name].contiguous()
+    recipe = {k: v for k, v in spec.to_dict().items() if k != "tensors"}
     meta = {"format": FORMAT, "spec": json.dumps(recipe, sort_keys=True)}
     for key, value in (metadata or {}).items():
         if value is not None:

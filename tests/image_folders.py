@@ -37,3 +37,30 @@ def write_folder(
         folder.mkdir(parents=True, exist_ok=True)
         images[i].save(folder / f"{i:05d}.png")
     return root
+
+
+def gray_pngs(root: Path, count: int = 3) -> list[Path]:
+    """``count`` flat gray 8×8 PNGs (pixel 40, 80, …): pictures a user hands ``fedatoms predict``."""
+    from PIL import Image
+
+    paths = []
+    for i in range(count):
+        path = root / f"digit{i}.png"
+        Image.fromarray(np.full((8, 8), 40 * (i + 1), dtype=np.uint8)).save(path)
+        paths.append(path)
+    return paths
+
+
+def digits_probabilities(model, test, count: int = 3):
+    """What a digits model trained under the benchmark's normalization gives :func:`gray_pngs`' pictures.
+
+    The digits loader maps raw pixel 0 to ``test.x.min()`` and 16/16 to ``test.x.max()``: the
+    normalization is derived here from the loader's output, not from the code that records it.
+    """
+    import torch
+
+    std = 1.0 / float(test.x.max() - test.x.min())
+    mean = -float(test.x.min()) * std
+    with torch.no_grad():
+        gray = torch.tensor([40.0 * (i + 1) / 255.0 for i in range(count)]).reshape(count, 1, 1, 1)
+        return torch.softmax(model((gray.expand(count, 1, 8, 8) - mean) / std), dim=1)

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from torch import Tensor
 
 from aggregator_service import store
-from aggregator_service.config import recorded_normalization
+from aggregator_service.config import KEYS_SINCE, recorded_normalization
 from aggregator_service.logfmt import kv
 from aggregator_service.rounds import Federation, RoundPlan
 from aggregator_service.strategies import Strategy
@@ -32,16 +32,6 @@ log = logging.getLogger("fedatoms.aggregator")
 
 # Keys of the federation config an operator may change between restarts (everything else defines the run).
 _MUTABLE_CONFIG_KEYS = frozenset({"rounds"})
-
-#: method keys added after federations were stored, with the behaviour a federation stored without
-#: one ran with: it keeps that behaviour across an upgrade instead of being refused or changed
-_KEYS_SINCE: dict[str, Any] = {
-    "tier_init": "truncated",
-    "tier_average": "aligned",
-    "lama_warmup": "rounds",
-    "tier_training": "own",
-    "full_rank_share": 0.0,
-}
 
 #: method keys whose default a later release changed: (the old default, the new one). A federation stored
 #: with the old default and configured with the new one (an upgrade, the operator's settings unchanged)
@@ -77,7 +67,7 @@ def load(shared: Shared) -> None:
             _record_benchmark_normalization(shared, row)
             _check_config(shared, row.config)
         total = store.count_clients(s, row, include_revoked=False)
-        predates = {k: v for k, v in _KEYS_SINCE.items() if not created and k not in row.config}
+        predates = {k: v for k, v in KEYS_SINCE.items() if not created and k not in row.config}
         if predates:
             log.info(kv("federation_predates_keys", name=settings.federation_name, keeps=predates))
             shared.config = replace(shared.config, **predates)  # for the server and the clients it trains
@@ -147,7 +137,7 @@ def _check_config(shared: Shared, stored: Mapping[str, Any]) -> None:
     differ = sorted(
         k
         for k in set(stored) | set(current)
-        if k not in _MUTABLE_CONFIG_KEYS and (k in stored or k not in _KEYS_SINCE) and stored.get(k) != current.get(k)
+        if k not in _MUTABLE_CONFIG_KEYS and (k in stored or k not in KEYS_SINCE) and stored.get(k) != current.get(k)
     )
     if differ:
         settings = shared.settings

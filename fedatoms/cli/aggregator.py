@@ -72,9 +72,21 @@ def cmd_aggregator_export(args: argparse.Namespace) -> int:
     from aggregator_service.export import export_global_model
 
     target = _store_target(args)
-    path, round_ = export_global_model(target.database_url, args.round, args.output, target.federation_name)
-    print(f"global model after round {round_} written to {path}")
+    path, round_ = export_global_model(
+        target.database_url, args.round, args.output, target.federation_name, tier=args.tier
+    )
+    what = "global model" if args.tier is None or args.tier == 1.0 else f"tier {args.tier:g} model"
+    print(f"{what} after round {round_} written to {path}")
     return 0
+
+
+def _tier(text: str) -> float:
+    """A tier as written elsewhere: ``0.25`` or ``1/4``."""
+    try:
+        num, _, den = text.partition("/")
+        return float(num) / float(den) if den else float(num)
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a tier (write 0.25 or 1/4)") from None
 
 
 def add_parser(sub: Any) -> None:
@@ -108,6 +120,12 @@ def add_parser(sub: Any) -> None:
         "--round", type=int, help="the last closed round, checked (the model it produced) [the last closed round]"
     )
     export.add_argument("output", help="OUT.safetensors")
+    export.add_argument(
+        "--tier",
+        type=_tier,
+        metavar="GAMMA",
+        help="the model a client of this tier runs (the global model cut to its rank), e.g. 0.25 [1: the global model]",
+    )
     export.add_argument("--config", type=Path, help="the server's TOML file (only its database_url, federation_name)")
     export.add_argument("--database-url", help=DB_HELP)
     export.set_defaults(func=cmd_aggregator_export)

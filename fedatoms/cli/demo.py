@@ -57,7 +57,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     options = {"database_url": url, "state_dir": str(out_dir / "clients")} if args.transport == "grpc" else {}
     try:
-        results = run_simulation(config, progress=progress_printer(config.rounds), **options)
+        bar = progress_printer(config.rounds)
+        results = run_simulation(config, progress=bar, on_start=bar.start, **options)
     finally:
         if dashboard is not None:
             dashboard[1]()
@@ -75,7 +76,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         output=str(out_dir / "demo-fedavg.json"),
     )
     print(f"\nplain FedAvg on the same split and seed ({baseline.rounds} rounds, in process):")
-    fedavg = run_simulation(baseline, progress=progress_printer(baseline.rounds))
+    bar = progress_printer(baseline.rounds)
+    fedavg = run_simulation(baseline, progress=bar, on_start=bar.start)
     write_results(fedavg, out_dir / "demo-fedavg.json")
     print_comparison(results, fedavg)
     plot = plot_runs([out_dir / "demo-results.json", out_dir / "demo-fedavg.json"], out_dir / "demo.png")

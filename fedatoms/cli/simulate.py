@@ -9,7 +9,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_parser", "print_comparison", "print_summary", "progress_printer"]
+__all__ = ["ProgressBar", "add_parser", "print_comparison", "print_summary", "progress_printer"]
 
 
 def _tiers(text: str) -> list[float]:
@@ -214,24 +214,39 @@ def _config_from_args(args: argparse.Namespace) -> Any:
     return SimulationConfig(**overrides)
 
 
-def progress_printer(total: int, label: str = "round") -> Any:
-    """A progress bar on stderr, so stdout keeps only the results."""
-    from tqdm import tqdm
+class ProgressBar:
+    """A progress bar on stderr, so stdout keeps only the results.
 
-    bar = tqdm(total=total, desc=label, unit="round", file=sys.stderr, dynamic_ncols=True)
+    Drawn at :meth:`start`, which :func:`~fedatoms.simulate.run_simulation` calls once the data, model
+    and clients are ready: an error found before shows alone, not after a bar at 0 %.
+    """
 
-    def report(record: dict[str, Any]) -> None:
+    def __init__(self, total: int, label: str = "round") -> None:
+        self.total, self.label = total, label
+        self._bar: Any = None
+
+    def start(self) -> None:
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, desc=self.label, unit="round", file=sys.stderr, dynamic_ncols=True)
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        self.start()
         post = {"MB": f"{record['cumulative_bytes_up'] / 1e6 + record['cumulative_bytes_down'] / 1e6:.2f}"}
         if record["test_accuracy"] is not None:  # None: the aggregator evaluates nothing (no eval_data)
             post = {"acc": f"{record['test_accuracy']:.3f}", **post}
         if record.get("personalized_accuracy") is not None:
             post["pers"] = f"{record['personalized_accuracy']:.3f}"
-        bar.set_postfix(post)
-        bar.update(1)
-        if bar.n >= total:
-            bar.close()
+        self._bar.set_postfix(post)
+        self._bar.update(1)
+        if self._bar.n >= self.total:
+            self._bar.close()
 
-    return report
+
+def progress_printer(total: int, label: str = "round") -> ProgressBar:
+    """The progress bar of a run: pass it as ``progress`` and its ``start`` as ``on_start``."""
+    return ProgressBar(total, label)
 
 
 def print_summary(results: dict[str, Any]) -> None:
@@ -299,9 +314,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from fedatoms.simulate import run_simulation, write_results
 
     config = _config_from_args(args)
-    results = run_simulation(
-        config, progress=progress_printer(config.rounds), model_out=args.save_model, **_grpc_options(args)
-    )
+    bar = progress_printer(config.rounds)
+    results = run_simulation(config, progress=bar, model_out=args.save_model, on_start=bar.start, **_grpc_options(args))
     if args.save_model is not None:
         print(f"final global model written to {args.save_model} (fedatoms predict, fedatoms.load_model)")
     if config.output:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import grpc
@@ -12,6 +14,7 @@ import torch
 from grpc_helpers import global_tensors, register, shards
 from safetensors.torch import load_file
 from sqlalchemy import create_engine, inspect
+from sqlalchemy.engine import make_url
 
 from aggregator_service.config import AggregatorSettings
 from fedatoms.cli import main
@@ -60,6 +63,31 @@ def test_export_and_revoke(start_service, sqlite_url, tmp_path, capsys) -> None:
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "token revoked" in info.value.details()
     assert b.task().WhichOneof("kind") in ("train", "wait")
     assert main(["aggregator", "revoke", "no-such-client", "--database-url", sqlite_url]) == 2
+
+
+def test_export_reads_while_another_connection_holds_the_write_lock(start_service, sqlite_url, tmp_path) -> None:
+    """A running aggregator's commit in progress (here a ``BEGIN IMMEDIATE`` held open) does not stall an
+    export: it only reads, under WAL, and before took the write lock itself (waiting 30 s, then failing)."""
+    svc = start_service(sqlite_url)
+    for c in [register(svc.stub, 1.0, d) for d in shards(2, 60)]:
+        c.round_trip()
+    out, codes = tmp_path / "model.safetensors", []
+    writer = sqlite3.connect(make_url(sqlite_url).database, timeout=30, isolation_level=None)
+    try:
+        writer.execute("BEGIN IMMEDIATE")
+        export = threading.Thread(
+            target=lambda: codes.append(main(["aggregator", "export", str(out), "--database-url", sqlite_url]))
+        )
+        export.start()
+        export.join(15)
+        finished = not export.is_alive()
+        writer.execute("ROLLBACK")
+    finally:
+        writer.close()
+    export.join(60)
+    assert finished and codes == [0]
+    exported = load_file(str(out))
+    assert all(torch.equal(exported[name], tensor) for name, (tensor, _v) in global_tensors(sqlite_url).items())
 
 
 def test_settings_from_toml_env_and_overrides(tmp_path, monkeypatch) -> None:

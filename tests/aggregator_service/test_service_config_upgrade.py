@@ -18,6 +18,7 @@ from grpc_helpers import register, shards, small_federation
 from sqlalchemy import select
 
 from aggregator_service import store
+from aggregator_service.config import stored_spec
 from aggregator_service.store.models import Federation as FederationRow
 
 
@@ -118,3 +119,11 @@ def test_a_federation_stored_before_full_rank_share_keeps_its_stem_alone(backend
     fed = start_service(url, small_federation(**model)).coordinator.shared.federation  # not refused
     assert fed.tier_spec(0.125).tensor("conv2.coefficients_u").shape == (64, 8)
     assert "conv2.coefficients" in small_federation(**model).spec.at_tier(0.125).names
+    # export reads the stored config alone, and finds the model the server runs, not today's default
+    engine = store.create_engine_for(url)
+    try:
+        with store.session_factory(engine)() as s:
+            stored = dict(s.scalars(select(FederationRow)).one().config)
+    finally:
+        engine.dispose()
+    assert "full_rank_share" not in stored and stored_spec(stored) == fed.spec

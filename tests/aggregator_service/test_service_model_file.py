@@ -18,11 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from grpc_helpers import SECRET, Service, start_aggregator
-from PIL import Image
+from image_folders import digits_probabilities, gray_pngs
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 from support import postgres_base, postgres_schema
@@ -116,21 +115,11 @@ def _federate_export_load_and_predict(url: str, factorization: str, tmp_path, st
     torch.testing.assert_close(factorized(test.x[:32]), model(test.x[:32]), rtol=1e-4, atol=1e-5)
 
     # predict: images written as 8-bit PNGs, read back the way `fedatoms predict` reads them
-    paths = []
-    for i in range(3):
-        path = tmp_path / f"digit{i}.png"
-        Image.fromarray(np.full((8, 8), 40 * (i + 1), dtype=np.uint8)).save(path)
-        paths.append(path)
+    paths = gray_pngs(tmp_path)
     capsys.readouterr()
     assert main(["predict", str(out), *map(str, paths), "--allow-model", "user_models"]) == 0
     printed = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
-    # the digits loader maps raw pixel 0 to test.x.min() and 16/16 to test.x.max(): the normalization the
-    # model trained under (recorded because eval_data is the benchmark), derived here from the loader's output
-    std = 1.0 / float(test.x.max() - test.x.min())
-    mean = -float(test.x.min()) * std
-    with torch.no_grad():
-        gray = torch.tensor([40.0 * (i + 1) / 255.0 for i in range(3)]).reshape(3, 1, 1, 1).expand(3, 1, 8, 8)
-        expected = torch.softmax(model((gray - mean) / std), dim=1)
+    expected = digits_probabilities(model, test)  # under the normalization recorded because eval_data is digits
     assert [p[0] for p in printed] == [str(p) for p in paths]
     assert [int(p[1]) for p in printed] == expected.argmax(1).tolist()
     assert [float(p[2]) for p in printed] == pytest.approx(expected.max(1).values.tolist(), abs=1e-4)

@@ -1,0 +1,70 @@
+"""`fedatoms simulate` finds what it can before it draws its progress bar.
+
+Each run is a real `fedatoms simulate` process with one mistake: bad arguments, data the run
+cannot use, destinations it could only fail to write after the last round. Its output must be
+the one error line, with no trace of the bar (``round:`` and tqdm's ``%|``); a run without a
+mistake draws the bar, so its absence means something.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BAR = ("round:", "%|")
+
+
+def simulate(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "fedatoms", "simulate", "--rounds", "1", "--quiet-json", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_run_without_a_mistake_draws_the_bar() -> None:
+    done = simulate("--clients", "4", "--partition", "iid")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(mark in done.stderr for mark in BAR) and "100%" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        # found once the data is loaded: two clients of two classes each cannot cover digits' ten
+        (("--clients", "2"), "shards need num_clients × classes_per_client ≥ number of classes"),
+        (("--clients", "4", "--dataset", "cifar10", "--data-dir", "{tmp}"), "dataset 'cifar10' not found in"),
+        (("--clients", "4", "--threads", "0"), "threads must be ≥ 1, got 0"),
+        (("--clients", "4", "--device", "tpu"), "unknown device 'tpu'"),
+        (("--clients", "4", "--server", "127.0.0.1:1"), "server only apply to --transport grpc"),
+        # written after the last round: refused before the first
+        (("--clients", "4", "--save-model", "{tmp}"), "is a directory: give the model file's path"),
+        (("--clients", "4", "--output", "{tmp}/missing/results.json"), "there is no directory"),
+        (("--clients", "4", "--transport", "grpc", "--server", "127.0.0.1:1"), "with --server, give --database-url"),
+        (("--clients", "4", "--transport", "grpc", "--tls-ca", "{tmp}/ca.pem"), "--tls-ca"),
+        (("--clients", "4", "--transport", "grpc", "--dataset", "cifar10", "--data-dir", "{tmp}"), "not found in"),
+    ],
+)
+def test_an_early_error_is_one_line_and_no_bar(args: tuple[str, ...], error: str, tmp_path: Path) -> None:
+    done = simulate(*(a.format(tmp=tmp_path) for a in args))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert not any(mark in done.stderr + done.stdout for mark in BAR), done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("fedatoms: error: ") and error in lines[-1], done.stderr
+    assert len(lines) == 1, done.stderr
+
+
+def test_an_error_after_the_aggregator_started_comes_before_the_bar() -> None:
+    """Over gRPC the partition is drawn once the aggregator serves: its start lines, then the error, no bar."""
+    done = simulate("--clients", "2", "--transport", "grpc")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert not any(mark in done.stderr + done.stdout for mark in BAR), done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("aggregator: 127.0.0.1:") and lines[1].startswith("client state: ")
+    assert lines[2:] == [
+        "fedatoms: error: shards need num_clients × classes_per_client ≥ number of classes so every class is used: "
+        "2 × 2 < 10"
+    ]
