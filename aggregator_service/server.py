@@ -551,8 +551,9 @@ def build_server(
 class DeadlineTicker(threading.Thread):
     """Calls ``coordinator.tick()`` every ``interval`` seconds.
 
-    A failing tick (the database away for an hour) is logged with its traceback once; the same error
-    again only as one line every ``repeat_log_seconds``, counting the failures, and the first tick that
+    A failing tick (the database away for an hour) is logged with its traceback once per kind of error
+    (its exception type: a driver's message often varies with the statement or the attempt); the
+    failures after it as one line every ``repeat_log_seconds``, counting them, and the first tick that
     succeeds after them as ``tick_recovered``. Health does not follow a pause: a paused federation is a
     healthy server that must stay reachable, to tell its clients it is paused and to be resumed.
     """
@@ -570,7 +571,7 @@ class DeadlineTicker(threading.Thread):
         self.repeat_log_seconds, self.clock = repeat_log_seconds, clock
         self.stopped = threading.Event()
         self.failures = 0  # consecutive failed ticks
-        self._last_error: tuple[type, str] | None = None
+        self._traced: set[type] = set()  # exception types logged with their traceback in this run of failures
         self._last_logged = 0.0
 
     def run(self) -> None:
@@ -586,15 +587,17 @@ class DeadlineTicker(threading.Thread):
             return
         if self.failures:
             log.info(kv("tick_recovered", failures=self.failures))
-            self.failures, self._last_error = 0, None
+            self.failures = 0
+            self._traced.clear()
 
     def _failed(self, exc: Exception) -> None:
         self.failures += 1
-        error, now = (type(exc), str(exc)), self.clock()
+        now = self.clock()
         text = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-        if error != self._last_error:  # the first failure, or another error than the last: with its traceback
+        if type(exc) not in self._traced:  # the first failure of its kind: with its traceback
             log.exception(kv("tick_failed", failures=self.failures, error=text))
-            self._last_error, self._last_logged = error, now
+            self._traced.add(type(exc))
+            self._last_logged = now
         elif now - self._last_logged >= self.repeat_log_seconds:
             log.error(kv("tick_failed", failures=self.failures, error=text))
             self._last_logged = now

@@ -48,7 +48,7 @@ def _last_closed(session: Session, fed_id: int) -> int:
 
 
 def _client_totals(session: Session, fed_id: int, online_since: datetime) -> dict[str, int]:
-    """Client counts and lifetime bytes in one scan of the federation's clients."""
+    """Client counts in one scan of the federation's clients."""
     c = store.Client
     active = c.revoked_at.is_(None)
     row = session.execute(
@@ -56,8 +56,6 @@ def _client_totals(session: Session, fed_id: int, online_since: datetime) -> dic
             func.count().filter(active).label("registered"),
             func.count().filter(~active).label("revoked"),
             func.count().filter(active, c.last_seen >= online_since).label("online"),
-            func.coalesce(func.sum(c.bytes_down), 0).label("bytes_down"),
-            func.coalesce(func.sum(c.bytes_up), 0).label("bytes_up"),
         ).where(c.federation_id == fed_id)
     ).one()
     return {k: int(v) for k, v in row._mapping.items()}
