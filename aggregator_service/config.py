@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from aggregator_service.held_average import TIER_AVERAGES
@@ -23,6 +23,7 @@ from aggregator_service.intervals import HOLD_COHORT, PROTECT, build_policy, war
 from aggregator_service.listen import is_loopback, split_listen
 from aggregator_service.refactorization import TIER_INITS
 from aggregator_service.rounds import CohortSampler, Federation
+from aggregator_service.store.engine import check_url
 from aggregator_service.strategies import FedProx, Setting, accepts, build_strategy, strategy_class
 from aggregator_service.toml_settings import TomlSettings
 from aggregator_service.update_bounds import UpdateBounds
@@ -393,6 +394,15 @@ def stored_spec(stored: Mapping[str, Any]) -> ModelSpec:
 # --------------------------------------------------------------------------- the aggregator service
 
 
+def _database_url(value: str) -> str:
+    check_url(value)
+    return value
+
+
+#: a database URL the store can open (:func:`~aggregator_service.store.check_url`): a typo fails at start, in one line
+DatabaseURL = Annotated[str, AfterValidator(_database_url)]
+
+
 class AggregatorSettings(TomlSettings):
     """How one aggregator process runs: where it listens, its database, security, round timing and the method.
 
@@ -405,7 +415,7 @@ class AggregatorSettings(TomlSettings):
     model_config = SettingsConfigDict(env_prefix="FEDATOMS_", env_nested_delimiter="__", extra="forbid")
 
     listen: str = "127.0.0.1:50051"
-    database_url: str = "sqlite:///fedatoms.db"
+    database_url: DatabaseURL = "sqlite:///fedatoms.db"
     federation_name: str = "default"
     #: Shared secret clients present to Register. The default is for local demos only: set your own.
     enrollment_secret: str = DEMO_ENROLLMENT_SECRET
@@ -539,5 +549,5 @@ class StoreTarget(TomlSettings):
 
     model_config = SettingsConfigDict(env_prefix="FEDATOMS_", env_nested_delimiter="__", extra="ignore")
 
-    database_url: str = AggregatorSettings.model_fields["database_url"].default
+    database_url: DatabaseURL = AggregatorSettings.model_fields["database_url"].default
     federation_name: str = AggregatorSettings.model_fields["federation_name"].default

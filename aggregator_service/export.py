@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 from sqlalchemy import func, inspect, select
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from aggregator_service import store
@@ -31,10 +30,7 @@ def _existing_store(database_url: str, *, read_only: bool = False) -> Iterator[S
     """One transaction on a store that exists and is migrated: a mistyped URL or path is one line, and
     creates nothing (SQLite would make an empty file of a path that names none). ``read_only``: on SQLite,
     begin DEFERRED, so the reads never take the write lock a running aggregator commits under."""
-    try:
-        url = make_url(database_url)
-    except ArgumentError as exc:
-        raise ValueError(f"{database_url!r} is not a database URL (e.g. sqlite:///fedatoms.db)") from exc
+    url = store.check_url(database_url)
     shown = url.render_as_string(hide_password=True)
     if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
         if not Path(url.database).is_file():

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from aggregator_service.config import DatabaseURL
 from aggregator_service.listen import split_listen
 from aggregator_service.toml_settings import TomlSettings
 
@@ -34,7 +35,7 @@ class DashboardSettings(TomlSettings):
     model_config = SettingsConfigDict(env_prefix="FEDATOMS_DASHBOARD_", extra="forbid", populate_by_name=True)
 
     listen: str = "127.0.0.1:8080"
-    database_url: str = Field(default="sqlite:///fedatoms.db", validation_alias=_env("database_url"))
+    database_url: DatabaseURL = Field(default="sqlite:///fedatoms.db", validation_alias=_env("database_url"))
     federation_name: str = Field(default="default", validation_alias=_env("federation_name"))
     #: A client counts as online while its last call is fresher than this (the aggregator's setting).
     heartbeat_timeout_seconds: float = Field(default=60.0, gt=0.0, validation_alias=_env("heartbeat_timeout_seconds"))

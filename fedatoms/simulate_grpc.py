@@ -61,6 +61,13 @@ def run_grpc_simulation(
         raise ValueError("--workers is the local engine's; with --engine ray, [simulation.resources] places clients")
     if tls_ca is not None and not Path(tls_ca).is_file():  # before an aggregator starts, not at the first connection
         raise ValueError(f"--tls-ca {tls_ca}: no such file")
+    if database_url is not None:
+        store.check_url(database_url)
+    if state_dir is not None:
+        try:
+            Path(state_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--state-dir {state_dir}: cannot create it ({exc.strerror})") from None
     if config.download:
         from fedcore.data import load_dataset
 

@@ -45,6 +45,8 @@ def test_a_run_without_a_mistake_draws_the_bar() -> None:
         (("--clients", "4", "--output", "{tmp}/missing/results.json"), "there is no directory"),
         (("--clients", "4", "--transport", "grpc", "--server", "127.0.0.1:1"), "with --server, give --database-url"),
         (("--clients", "4", "--transport", "grpc", "--tls-ca", "{tmp}/ca.pem"), "--tls-ca"),
+        (("--clients", "4", "--transport", "grpc", "--database-url", "pg://u:hunter2@h/db"), "u:***@h/db: the store"),
+        (("--clients", "4", "--transport", "grpc", "--state-dir", "/proc/fedatoms/state"), "cannot create it"),
         (("--clients", "4", "--transport", "grpc", "--dataset", "cifar10", "--data-dir", "{tmp}"), "not found in"),
     ],
 )

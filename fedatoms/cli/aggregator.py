@@ -27,11 +27,17 @@ def _settings(args: argparse.Namespace) -> Any:
 def _store_target(args: argparse.Namespace) -> Any:
     """The database and federation of ``--database-url``, else the environment's, else ``--config``'s, else the
     defaults: only those two keys are read, so the server's file works on another machine."""
-    from aggregator_service.config import StoreTarget
+    from pydantic import ValidationError
 
-    if getattr(args, "config", None) is not None:
-        return StoreTarget.from_toml(args.config, database_url=args.database_url)
-    return StoreTarget(**({} if args.database_url is None else {"database_url": args.database_url}))
+    from aggregator_service.config import StoreTarget
+    from aggregator_service.toml_settings import explain
+
+    try:
+        if getattr(args, "config", None) is not None:
+            return StoreTarget.from_toml(args.config, database_url=args.database_url)
+        return StoreTarget(**({} if args.database_url is None else {"database_url": args.database_url}))
+    except ValidationError as exc:
+        raise ValueError(f"invalid settings: {explain(exc)}") from exc
 
 
 def database_url(args: argparse.Namespace) -> str:

@@ -148,6 +148,35 @@ def test_export_and_revoke_on_a_wrong_database_say_so_in_one_line_and_create_not
     assert "is not a database URL" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("/var/lib/fedatoms.db", "'/var/lib/fedatoms.db' is not a database URL"),
+        (
+            "postgresql+psycopg//fedatoms:hunter2@db/fed",
+            "'postgresql+psycopg//fedatoms:***@db/fed' is not a database URL",
+        ),
+        ("mysql://fedatoms:hunter2@db/fed", "mysql://fedatoms:***@db/fed: the store runs on sqlite or postgresql"),
+    ],
+)
+def test_every_command_refuses_a_mistyped_database_url_in_one_line_without_its_password(
+    url, expected, tmp_path, capsys
+) -> None:
+    for argv in (
+        ["aggregator", "serve"],
+        ["dashboard", "serve"],
+        ["db", "upgrade"],
+        ["aggregator", "export", str(tmp_path / "m.safetensors")],
+        ["aggregator", "revoke", "some-client"],
+    ):
+        assert main([*argv, "--database-url", url]) == 2, argv
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("fedatoms: error: ") and expected in lines[0], (argv, err)
+        assert "hunter2" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_to_a_directory_names_the_mistake(start_service, sqlite_url, tmp_path, capsys) -> None:
     start_service(sqlite_url)
     assert main(["aggregator", "export", str(tmp_path), "--database-url", sqlite_url]) == 2
