@@ -13,17 +13,17 @@ from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from aggregator_service.database_url import DatabaseURL
 from aggregator_service.held_average import TIER_AVERAGES
 from aggregator_service.intervals import HOLD_COHORT, PROTECT, build_policy, warmup_for
 from aggregator_service.listen import is_loopback, split_listen
 from aggregator_service.refactorization import TIER_INITS
 from aggregator_service.rounds import CohortSampler, Federation
-from aggregator_service.store.engine import check_url
 from aggregator_service.strategies import FedProx, Setting, accepts, build_strategy, strategy_class
 from aggregator_service.toml_settings import TomlSettings
 from aggregator_service.update_bounds import UpdateBounds
@@ -392,15 +392,6 @@ def stored_spec(stored: Mapping[str, Any]) -> ModelSpec:
 
 
 # --------------------------------------------------------------------------- the aggregator service
-
-
-def _database_url(value: str) -> str:
-    check_url(value)
-    return value
-
-
-#: a database URL the store can open (:func:`~aggregator_service.store.check_url`): a typo fails at start, in one line
-DatabaseURL = Annotated[str, AfterValidator(_database_url)]
 
 
 class AggregatorSettings(TomlSettings):

@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from aggregator_service import store
 from aggregator_service.config import FederationConfig, stored_keys, stored_spec
+from aggregator_service.database_url import check_url
 from aggregator_service.intervals import EveryRound
 from aggregator_service.rounds import CohortSampler, Federation
 from aggregator_service.strategies.fedavg import FedAvg
@@ -30,7 +31,7 @@ def _existing_store(database_url: str, *, read_only: bool = False) -> Iterator[S
     """One transaction on a store that exists and is migrated: a mistyped URL or path is one line, and
     creates nothing (SQLite would make an empty file of a path that names none). ``read_only``: on SQLite,
     begin DEFERRED, so the reads never take the write lock a running aggregator commits under."""
-    url = store.check_url(database_url)
+    url = check_url(database_url)
     shown = url.render_as_string(hide_password=True)
     if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
         if not Path(url.database).is_file():

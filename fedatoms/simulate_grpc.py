@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
+from aggregator_service.database_url import check_url
 from aggregator_service.export import export_global_model
 from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS
 from client_agent.pool import register_all, run_grpc_pool
@@ -62,7 +63,7 @@ def run_grpc_simulation(
     if tls_ca is not None and not Path(tls_ca).is_file():  # before an aggregator starts, not at the first connection
         raise ValueError(f"--tls-ca {tls_ca}: no such file")
     if database_url is not None:
-        store.check_url(database_url)
+        check_url(database_url)
     if state_dir is not None:
         try:
             Path(state_dir).mkdir(parents=True, exist_ok=True)

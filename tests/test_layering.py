@@ -184,3 +184,14 @@ def test_the_command_line_builds_its_parser_without_the_dashboard_or_the_store()
     import dashboard_api
 
     assert callable(dashboard_api.create_app) and dashboard_api.DashboardSettings.__name__ == "DashboardSettings"
+
+
+def test_the_dashboard_serves_without_torch() -> None:
+    """The dashboard only reads the store: its app and settings load without the training stack."""
+    probe = (
+        "import sys; from dashboard_api.app import create_app; from dashboard_api.settings import DashboardSettings; "
+        "DashboardSettings(database_url='sqlite:///x.db'); print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False", done.stdout

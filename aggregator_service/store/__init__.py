@@ -17,7 +17,6 @@ The ORM class :class:`Federation` shares its name with :class:`aggregator_servic
 from .engine import (
     MIGRATIONS_DIR,
     alembic_config,
-    check_url,
     create_engine_for,
     current_revision,
     downgrade,
@@ -150,7 +149,6 @@ __all__ = [
     "bind_certificate",
     "certificate_sha256",
     "check_enrollment_secret",
-    "check_url",
     "close_round",
     "consume_round_updates",
     "count_clients",

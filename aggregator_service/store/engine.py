@@ -22,7 +22,6 @@ Migrations are Alembic revisions under ``migrations/`` run programmatically by
 
 from __future__ import annotations
 
-import re
 import uuid
 import weakref
 from collections.abc import Iterator
@@ -35,7 +34,6 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, Connection, make_url
-from sqlalchemy.exc import ArgumentError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import StaticPool
 
@@ -44,7 +42,6 @@ from .wal import BACKSTOP_PAGES, WalCheckpointer
 __all__ = [
     "MIGRATIONS_DIR",
     "alembic_config",
-    "check_url",
     "create_engine_for",
     "current_revision",
     "downgrade",
@@ -57,22 +54,6 @@ __all__ = [
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 # pg_advisory_xact_lock key held while migrating, so replicas starting together upgrade one at a time.
 _MIGRATION_LOCK_KEY = 0x6665_6461_746D  # "fedatm"
-
-
-def check_url(url: str) -> URL:
-    """``url`` parsed, for a backend the store runs on; a mistyped one is a one-line ``ValueError`` naming it
-    (its password hidden), where SQLAlchemy would raise from deep inside the first connection."""
-    try:
-        u = make_url(url)
-    except ArgumentError:
-        shown = re.sub(r":[^:@/]*@", ":***@", url)  # a password, even in a URL that does not parse
-        raise ValueError(
-            f"{shown!r} is not a database URL (e.g. sqlite:///fedatoms.db or postgresql+psycopg://user@host:5432/db)"
-        ) from None
-    if u.get_backend_name() not in ("sqlite", "postgresql"):
-        shown = u.render_as_string(hide_password=True)
-        raise ValueError(f"{shown}: the store runs on sqlite or postgresql, not {u.get_backend_name()!r}")
-    return u
 
 
 def create_engine_for(

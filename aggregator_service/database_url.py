@@ -1,0 +1,42 @@
+"""A database URL checked before anything connects, for every command and settings class that takes one.
+
+Its own module, on SQLAlchemy's URL parser alone: the dashboard (which never trains) and the
+command line's parser validate a URL without importing the federation's configuration, torch,
+or the store.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import AfterValidator
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
+
+__all__ = ["DatabaseURL", "check_url"]
+
+
+def check_url(url: str) -> URL:
+    """``url`` parsed, for a backend the store runs on; a mistyped one is a one-line ``ValueError`` naming it
+    (its password hidden), where SQLAlchemy would raise from deep inside the first connection."""
+    try:
+        u = make_url(url)
+    except ArgumentError:
+        shown = re.sub(r":[^:@/]*@", ":***@", url)  # a password, even in a URL that does not parse
+        raise ValueError(
+            f"{shown!r} is not a database URL (e.g. sqlite:///fedatoms.db or postgresql+psycopg://user@host:5432/db)"
+        ) from None
+    if u.get_backend_name() not in ("sqlite", "postgresql"):
+        shown = u.render_as_string(hide_password=True)
+        raise ValueError(f"{shown}: the store runs on sqlite or postgresql, not {u.get_backend_name()!r}")
+    return u
+
+
+def _database_url(value: str) -> str:
+    check_url(value)
+    return value
+
+
+#: a database URL the store can open (:func:`check_url`): a typo fails at start, in one line
+DatabaseURL = Annotated[str, AfterValidator(_database_url)]
