@@ -14,7 +14,7 @@ from pydantic import AfterValidator
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
-__all__ = ["DatabaseURL", "check_url"]
+__all__ = ["DatabaseURL", "check_url", "shown"]
 
 
 def check_url(url: str) -> URL:
@@ -23,14 +23,21 @@ def check_url(url: str) -> URL:
     try:
         u = make_url(url)
     except ArgumentError:
-        shown = re.sub(r":[^:@/]*@", ":***@", url)  # a password, even in a URL that does not parse
         raise ValueError(
-            f"{shown!r} is not a database URL (e.g. sqlite:///fedatoms.db or postgresql+psycopg://user@host:5432/db)"
+            f"{shown(url)!r} is not a database URL (e.g. sqlite:///fedatoms.db or postgresql+psycopg://user@host:5432/db)"
         ) from None
     if u.get_backend_name() not in ("sqlite", "postgresql"):
-        shown = u.render_as_string(hide_password=True)
-        raise ValueError(f"{shown}: the store runs on sqlite or postgresql, not {u.get_backend_name()!r}")
+        raise ValueError(f"{shown(url)}: the store runs on sqlite or postgresql, not {u.get_backend_name()!r}")
     return u
+
+
+def shown(url: str) -> str:
+    """``url`` as a message may print it: its password hidden, even where the URL does not parse (then
+    everything from the first ``:`` after the user's name to the last ``@`` is)."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return re.sub(r"(//[^:/@]*|^[^:/@]*):.*@", r"\1:***@", url)
 
 
 def _database_url(value: str) -> str:

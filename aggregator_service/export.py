@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from aggregator_service import store
 from aggregator_service.config import FederationConfig, stored_keys, stored_spec
-from aggregator_service.database_url import check_url
+from aggregator_service.database_url import check_url, shown
 from aggregator_service.intervals import EveryRound
 from aggregator_service.rounds import CohortSampler, Federation
 from aggregator_service.strategies.fedavg import FedAvg
@@ -82,7 +82,7 @@ def export_global_model(
     if out.is_dir():
         raise ValueError(f"{out} is a directory: give the model file's path, e.g. {out / 'model.safetensors'}")
     with _existing_store(database_url, read_only=True) as s:
-        fed = _federation(s, federation_name, database_url)
+        fed = _federation(s, federation_name, shown(database_url))
         last = s.scalar(
             select(func.max(store.Round.number)).where(
                 store.Round.federation_id == fed.id, store.Round.state == "closed"
@@ -167,4 +167,4 @@ def _on_client(database_url: str, client_id: str, action: Callable[[Session, str
     """Run ``action(session, client_id)`` in one transaction; it returns False when there is no such client."""
     with _existing_store(database_url) as s:
         if not action(s, client_id):
-            raise ValueError(f"no client {client_id!r} in {database_url}")
+            raise ValueError(f"no client {client_id!r} in {shown(database_url)}")

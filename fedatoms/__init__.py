@@ -26,7 +26,8 @@ def load_model(
 
     By default the module is the model as its own code defines it, every atom layer's filters
     reconstructed (``W = α × D``), so it runs anywhere PyTorch does; ``factorized=True`` gives
-    the module the server aggregated (atoms and coefficients). Building the model imports its
+    the module the server aggregated (atoms and coefficients), or, from ``export --tier``, the small
+    module a device of that tier runs (its low-rank factors). Building the model imports its
     reference: allowed are the zoo and ``allowed_models`` (module prefixes or references;
     default ``torchvision.models``, as on clients). Nothing is unpickled.
     """

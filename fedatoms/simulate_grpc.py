@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
-from aggregator_service.database_url import check_url
+from aggregator_service.database_url import check_url, shown
 from aggregator_service.export import export_global_model
 from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS
 from client_agent.pool import register_all, run_grpc_pool
@@ -62,6 +62,10 @@ def run_grpc_simulation(
         raise ValueError("--workers is the local engine's; with --engine ray, [simulation.resources] places clients")
     if tls_ca is not None and not Path(tls_ca).is_file():  # before an aggregator starts, not at the first connection
         raise ValueError(f"--tls-ca {tls_ca}: no such file")
+    if server is not None and database_url is None:
+        raise ValueError("with --server, give --database-url of that aggregator's database to read the record from")
+    if server is not None and not enrollment_secret:
+        raise ValueError("with --server, give the federation's --enrollment-secret")
     if database_url is not None:
         check_url(database_url)
     if state_dir is not None:
@@ -97,14 +101,8 @@ def run_grpc_simulation(
             )
             owned = _start_aggregator(settings)
             target = f"127.0.0.1:{owned[1]}"
-            say(f"aggregator: {target}, database {database_url}")
+            say(f"aggregator: {target}, database {shown(database_url)}")
         else:
-            if database_url is None:
-                raise ValueError(
-                    "with --server, give --database-url of that aggregator's database to read the record from"
-                )
-            if not enrollment_secret:
-                raise ValueError("with --server, give the federation's --enrollment-secret")
             target = server
         say(f"client state: {root}")
         pop = config.population()
@@ -158,7 +156,7 @@ def run_grpc_simulation(
             owned[2].coordinator.flush()  # the last download counts, before the record is read
         records = records_from_store(database_url, federation_name)
         if not records:
-            raise RuntimeError(f"no round closed in {database_url}")
+            raise RuntimeError(f"no round closed in {shown(database_url)}")
         if model_out is not None:
             export_global_model(database_url, None, model_out, federation_name)
         for r in records:
@@ -177,7 +175,7 @@ def run_grpc_simulation(
         else:
             say(f"kept: client state in {root}")
         if not _inside(database_url, root) or not temporary:
-            say(f"kept: the database {database_url}")
+            say(f"kept: the database {shown(database_url)}")
     except BaseException:
         if temporary:  # a failed run leaves nothing behind either
             shutil.rmtree(root, ignore_errors=True)

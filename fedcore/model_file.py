@@ -45,7 +45,8 @@ class ModelFile:
         return None if not text else json.loads(text)
 
     def factorized_model(self) -> nn.Module:
-        """The module as the server aggregates it (atom layers as ``α`` and ``D``), in eval mode."""
+        """The module as the file's spec builds it (atom layers as ``α`` and ``D``; a tier's file: the small
+        module that tier's devices run), in eval mode."""
         model = self.spec.build()
         model.load_state_dict({n: self.tensors[n] for n in self.spec.names})
         return model.eval()

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from aggregator_service import store
 from aggregator_service.config import KEYS_SINCE, recorded_normalization
+from aggregator_service.database_url import shown
 from aggregator_service.logfmt import kv
 from aggregator_service.rounds import Federation, RoundPlan
 from aggregator_service.strategies import Strategy
@@ -143,7 +144,7 @@ def _check_config(shared: Shared, stored: Mapping[str, Any]) -> None:
         settings = shared.settings
         detail = ", ".join(f"{k}: stored {stored.get(k)!r}, configured {current.get(k)!r}" for k in differ[:6])
         raise ValueError(
-            f"federation {settings.federation_name!r} in {settings.database_url} was created with a "
+            f"federation {settings.federation_name!r} in {shown(settings.database_url)} was created with a "
             f"different method ({detail}). Use the original [federation] settings, or a new federation_name "
             "to start another federation in the same database"
         )

@@ -87,12 +87,15 @@ def cmd_aggregator_export(args: argparse.Namespace) -> int:
 
 
 def _tier(text: str) -> float:
-    """A tier as written elsewhere: ``0.25`` or ``1/4``."""
+    """A tier as written elsewhere: ``0.25`` or ``1/4``; a fraction of the model in (0, 1]."""
     try:
         num, _, den = text.partition("/")
-        return float(num) / float(den) if den else float(num)
+        tier = float(num) / float(den) if den else float(num)
     except (ValueError, ZeroDivisionError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a tier (write 0.25 or 1/4)") from None
+    if not 0.0 < tier <= 1.0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{text!r} is not a tier: a tier is a fraction of the model in (0, 1]")
+    return tier
 
 
 def add_parser(sub: Any) -> None:

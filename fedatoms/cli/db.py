@@ -13,10 +13,11 @@ __all__ = ["add_parser"]
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
     from aggregator_service import store
+    from aggregator_service.database_url import shown
 
     url = database_url(args)
     store.upgrade(url)
-    print(f"{url}: schema at {store.head_revision()}")
+    print(f"{shown(url)}: schema at {store.head_revision()}")
     return 0
 
 

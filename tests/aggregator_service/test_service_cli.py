@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from sqlalchemy import create_engine, inspect
 from sqlalchemy.engine import make_url
 
+from aggregator_service import store
 from aggregator_service.config import AggregatorSettings
 from fedatoms.cli import main
 from fedcore.layers import reconstruct_filter
@@ -157,6 +158,8 @@ def test_export_and_revoke_on_a_wrong_database_say_so_in_one_line_and_create_not
             "'postgresql+psycopg//fedatoms:***@db/fed' is not a database URL",
         ),
         ("mysql://fedatoms:hunter2@db/fed", "mysql://fedatoms:***@db/fed: the store runs on sqlite or postgresql"),
+        ("postgresql+psycopg//fedatoms:hun/ter2@db/fed", "'postgresql+psycopg//fedatoms:***@db/fed' is not a"),
+        ("postgresql+psycopg//fedatoms:hun@t:er2@db/fed", "'postgresql+psycopg//fedatoms:***@db/fed' is not a"),
     ],
 )
 def test_every_command_refuses_a_mistyped_database_url_in_one_line_without_its_password(
@@ -173,7 +176,7 @@ def test_every_command_refuses_a_mistyped_database_url_in_one_line_without_its_p
         err = capsys.readouterr().err
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("fedatoms: error: ") and expected in lines[0], (argv, err)
-        assert "hunter2" not in err
+        assert "hunter2" not in err and "er2" not in err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -181,3 +184,29 @@ def test_export_to_a_directory_names_the_mistake(start_service, sqlite_url, tmp_
     start_service(sqlite_url)
     assert main(["aggregator", "export", str(tmp_path), "--database-url", sqlite_url]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_a_database_password_never_reaches_an_error_line(postgres_url, tmp_path, capsys) -> None:
+    """PostgreSQL here trusts every connection, so a URL with a password connects and the refusals come from the
+    store itself: no such federation, no such client."""
+    url = make_url(postgres_url).set(password="hunter2").render_as_string(hide_password=False)
+    store.upgrade(url)
+    for argv, expected in (
+        (["aggregator", "export", str(tmp_path / "m.safetensors")], "no federation 'default'"),
+        (["aggregator", "revoke", "some-client"], "no client 'some-client'"),
+        (["db", "upgrade"], "schema at"),
+    ):
+        code = main([*argv, "--database-url", url])
+        out = capsys.readouterr()
+        assert code == (0 if argv[0] == "db" else 2), out
+        assert expected in out.out + out.err and ":***@" in out.out + out.err, out
+        assert "hunter2" not in out.out + out.err
+
+
+@pytest.mark.parametrize("tier", ["0", "-1", "2", "nan", "1/0", "abc"])
+def test_export_refuses_what_is_no_tier_before_it_opens_the_store(tier, tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["aggregator", "export", str(tmp_path / "m.safetensors"), "--tier", tier, "--database-url", "nonsense"])
+    assert exit_.value.code == 2
+    assert f"argument --tier: {tier!r} is not a tier" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
