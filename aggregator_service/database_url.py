@@ -26,8 +26,13 @@ def check_url(url: str) -> URL:
         raise ValueError(
             f"{shown(url)!r} is not a database URL (e.g. sqlite:///fedatoms.db or postgresql+psycopg://user@host:5432/db)"
         ) from None
-    if u.get_backend_name() not in ("sqlite", "postgresql"):
-        raise ValueError(f"{shown(url)}: the store runs on sqlite or postgresql, not {u.get_backend_name()!r}")
+    backend, driver = u.get_backend_name(), u.drivername.partition("+")[2]
+    if backend == "postgres":  # Heroku's and libpq's spelling, which SQLAlchemy does not take
+        raise ValueError(f"{shown(url)}: write postgresql+psycopg:// (SQLAlchemy's name), not postgres://")
+    if backend not in ("sqlite", "postgresql"):
+        raise ValueError(f"{shown(url)}: the store runs on sqlite or postgresql, not {backend!r}")
+    if driver in ("asyncpg", "aiosqlite", "pysqlite_async"):
+        raise ValueError(f"{shown(url)}: {driver} is an asyncio driver; the store needs a blocking one (e.g. psycopg)")
     return u
 
 

@@ -158,6 +158,8 @@ def test_export_and_revoke_on_a_wrong_database_say_so_in_one_line_and_create_not
             "'postgresql+psycopg//fedatoms:***@db/fed' is not a database URL",
         ),
         ("mysql://fedatoms:hunter2@db/fed", "mysql://fedatoms:***@db/fed: the store runs on sqlite or postgresql"),
+        ("postgres://fedatoms:hunter2@db/fed", "postgres://fedatoms:***@db/fed: write postgresql+psycopg://"),
+        ("postgresql+asyncpg://fedatoms:hunter2@db/fed", "asyncpg is an asyncio driver"),
         ("postgresql+psycopg//fedatoms:hun/ter2@db/fed", "'postgresql+psycopg//fedatoms:***@db/fed' is not a"),
         ("postgresql+psycopg//fedatoms:hun@t:er2@db/fed", "'postgresql+psycopg//fedatoms:***@db/fed' is not a"),
     ],
