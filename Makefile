@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-deploy bench lint proto venv clean
+.PHONY: demo test test-slow test-deploy bench lint proto venv clean
 
 venv: $(STAMP)
 
@@ -18,7 +18,11 @@ demo: $(STAMP)
 	$(VENV)/bin/fedatoms demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadscope --durations=25
+	$(PY) -m pytest -n 2 --dist loadscope --durations=25 -m "not slow"
+
+# the longest real-process runs (tests marked slow: tests/conftest.py's SLOW and the files marked so)
+test-slow: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadscope --durations=25 -m slow
 
 # deploy/ for real: base image (once), images (cached layers), compose and `podman kube play` federations;
 # prints why and exits 0 where podman cannot run containers (tests/deploy/run.sh, docs/deploy.md)
