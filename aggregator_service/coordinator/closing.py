@@ -154,7 +154,10 @@ class Closing:
                         )
                         save_strategy_groups(s, shared.fed_row, strategy_groups)
                         if shared.settings.history_rounds is not None:
-                            store.prune_history(s, shared.fed_row, plan.round, shared.settings.history_rounds)
+                            keep = shared.settings.history_rounds
+                            # the ledger's writes read it once their transaction holds SQLite's write lock,
+                            # which this one holds to its commit; a failed commit reloads it (below)
+                            shared.history_pruned_through = store.prune_history(s, shared.fed_row, plan.round, keep)
             except Exception as exc:
                 self.ledger.unwrite(drained)
                 self._after_failure(plan.round, exc)

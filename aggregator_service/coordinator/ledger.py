@@ -113,7 +113,10 @@ class Ledger:
         spec = self.shared.federation.spec
         per = self._owners(client.tier, per_tensor)
         store.record_transfers(
-            s, self.shared.fed_row, [(round_, client.id, "push", nbytes, per, fedavg_equivalent_bytes(spec, 1))]
+            s,
+            self.shared.fed_row,
+            [(round_, client.id, "push", nbytes, per, fedavg_equivalent_bytes(spec, 1))],
+            pruned_through=self._pruned_through(s),
         )
 
     def write(self, s: Session) -> Counts:
@@ -129,6 +132,7 @@ class Ledger:
                     (r, cid, c, n, per, fedavg_equivalent_bytes(spec, k))
                     for (r, cid, c), (n, k, per) in sorted(drained.items())
                 ),
+                pruned_through=self._pruned_through(s),
             )
         except BaseException:
             self.unwrite(drained)
@@ -157,6 +161,13 @@ class Ledger:
         except Exception:
             self.unwrite(drained)
             raise
+
+    def _pruned_through(self, s: Session) -> int:
+        """The retention watermark (:attr:`Shared.history_pruned_through`) for a write in ``s``, read once
+        ``s`` has begun: on SQLite it then holds the write lock, so no close is between its prune and its
+        commit, and the value is the committed one; a close's own write (before its prune) reads the old one."""
+        s.connection()
+        return self.shared.history_pruned_through
 
     def _owners(self, tier: float, per_tensor: Mapping[str, int]) -> dict[str, int]:
         """Tier tensors' bytes counted toward the full-rank tensor each belongs to (a factor pair: what it rebuilds)."""

@@ -63,6 +63,9 @@ class Shared:
         self._settled = threading.Condition(self.lock)
         self.open: OpenRound | None = None
         self.state = "running"
+        # ``federations.history_pruned_through``: read at load, moved only by this process's closes
+        # (``prune_history``, set before the close commits), passed to every ledger write
+        self.history_pruned_through = 0
         # bumped by every change a long-polling GetTask may be waiting for (:meth:`settle`)
         self.generation = 0
         self.stopping = False  # the server shuts down: held calls answer now

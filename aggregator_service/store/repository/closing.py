@@ -88,7 +88,13 @@ def transfer_category(kind: str) -> str:
     return category
 
 
-def record_transfers(session: Session, fed: Federation, transfers: Iterable[tuple[Any, ...]]) -> None:
+def record_transfers(
+    session: Session,
+    fed: Federation,
+    transfers: Iterable[tuple[Any, ...]],
+    *,
+    pruned_through: int | None = None,
+) -> None:
     """:func:`record_transfer` for many ``(round, client id, category, bytes, per_tensor[, fedavg_equivalent_bytes])``.
 
     A few statements in all, each run with many parameter sets, however many transfers: the
@@ -96,8 +102,14 @@ def record_transfers(session: Session, fed: Federation, transfers: Iterable[tupl
     per category (``round_bytes``) are added first (their rows are the ones every writer shares,
     so taking them first keeps concurrent writers in one lock order), then the clients' counters,
     and, for rounds whose history is kept (:func:`prune_history`), the per-client and per-tensor rows.
+
+    ``pruned_through`` is ``federations.history_pruned_through`` as the caller knows it: the
+    coordinator keeps it in memory (only its closes move it), so its writes read nothing; without
+    it, it is read in ``session``.
     """
-    pruned = int(session.scalar(select(Federation.history_pruned_through).where(Federation.id == fed.id)) or 0)
+    if pruned_through is None:
+        pruned_through = session.scalar(select(Federation.history_pruned_through).where(Federation.id == fed.id))
+    pruned = int(pruned_through or 0)
     moves: list[dict[str, Any]] = []
     per_tensor_totals: dict[tuple[int, str, str], int] = {}
     per_client: dict[tuple[str, str], int] = {}

@@ -1,0 +1,129 @@
+"""``history_rounds``: a transfer counted late for a pruned round adds to its sums only, in the process that pruned
+it and in one restarted on its database.
+
+The coordinator keeps the retention watermark (``federations.history_pruned_through``) in memory: read
+when it loads, moved by its own closes. A stale copy would write ``transfers`` and ``tensor_metrics`` rows
+for a round whose history is gone (too low), or drop them for a round that keeps it (too high).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from grpc_helpers import Client, register, shards, small_federation
+from sqlalchemy import Connection, event, select
+
+from aggregator_service import store
+from aggregator_service.coordinator import Coordinator
+from aggregator_service.coordinator.answers import ClientInfo
+
+LATE = 40  # bytes of each late evaluation fetch
+
+
+@contextmanager
+def _connect(url: str) -> Iterator[Connection]:
+    engine = store.create_engine_for(url)
+    try:
+        with engine.connect() as conn:
+            yield conn
+    finally:
+        engine.dispose()
+
+
+def _late_fetch(coordinator: Coordinator, client: Client, round_: int, tensor: str) -> None:
+    """An evaluation fetch of ``round_``'s model, counted now and written by the next flush."""
+    info = ClientInfo(client.client_id, client.tier, "late", client.key)
+    coordinator.record_download(info, LATE, {tensor: LATE}, round_=round_, category="eval_fetch")
+    coordinator.flush()
+
+
+@contextmanager
+def _watermark_reads(coordinator: Coordinator) -> Iterator[list[str]]:
+    """The statements the coordinator's engine runs meanwhile that read the retention watermark."""
+    engine = coordinator.factory.kw["bind"]
+    seen: list[str] = []
+
+    def before(conn, cursor, statement, parameters, context, executemany) -> None:
+        if "history_pruned_through" in statement:
+            seen.append(statement)
+
+    event.listen(engine, "before_cursor_execute", before)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+
+
+def _ledger(url: str, client_id: str) -> dict[str, Any]:
+    """The rounds with ``transfers`` and ``tensor_metrics`` rows, the ``eval_fetch`` transfers and their sums
+    per round, and the client's lifetime bytes down."""
+    t, rb = store.Transfer, store.RoundBytes
+    with _connect(url) as conn:
+        return {
+            "detail": (
+                set(conn.execute(select(t.round).distinct()).scalars()),
+                set(conn.execute(select(store.TensorMetric.round).distinct()).scalars()),
+            ),
+            "eval_transfers": conn.execute(
+                select(t.round, t.client_id, t.bytes).where(t.category == "eval_fetch")
+            ).all(),
+            "eval_sums": dict(conn.execute(select(rb.round, rb.bytes).where(rb.category == "eval_fetch")).all()),
+            "bytes_down": conn.execute(select(store.Client.bytes_down).where(store.Client.id == client_id)).scalar(),
+        }
+
+
+def _late_transfers_skip_pruned_rounds(start_service, url: str) -> None:
+    federation = small_federation(rounds=5)
+    service = start_service(url, federation=federation, history_rounds=1)
+    clients = [register(service.stub, 1.0, d) for d in shards(2)]
+    for round_ in (1, 2, 3):
+        for c in clients:
+            got, reply = c.round_trip()
+            assert got == round_ and reply.accepted
+        assert service.coordinator.federation.round == round_
+    tensor = federation.spec.names[0]
+    a, b = clients
+    before = _ledger(url, a.client_id)
+    assert before["detail"] == ({3}, {3})  # round 3's close pruned rounds 1 and 2 (round 2's close, round 1)
+    assert before["eval_sums"] == {}
+
+    # the process whose close pruned round 2: a late transfer of it adds to its sums only
+    with _watermark_reads(service.coordinator) as reads:
+        _late_fetch(service.coordinator, a, 2, tensor)
+    assert reads == []  # the coordinator knows the watermark: its ledger writes read nothing for it
+    after = _ledger(url, a.client_id)
+    assert after["detail"] == ({3}, {3})
+    assert after["eval_transfers"] == []
+    assert after["eval_sums"] == {2: LATE}
+    assert after["bytes_down"] == before["bytes_down"] + LATE
+
+    # a coordinator started on the database an earlier process pruned: the same
+    service.stop()
+    again = start_service(url, federation=federation, history_rounds=1)
+    before = _ledger(url, b.client_id)
+    _late_fetch(again.coordinator, b, 1, tensor)
+    _late_fetch(again.coordinator, b, 2, tensor)
+    after = _ledger(url, b.client_id)
+    assert after["detail"] == ({3}, {3})
+    assert after["eval_transfers"] == []
+    assert after["eval_sums"] == {1: LATE, 2: 2 * LATE}
+    assert after["bytes_down"] == before["bytes_down"] + 2 * LATE
+
+    # a round that keeps its history still gets its rows
+    _late_fetch(again.coordinator, b, 3, tensor)
+    after = _ledger(url, b.client_id)
+    assert after["eval_transfers"] == [(3, b.client_id, LATE)]
+    assert after["eval_sums"] == {1: LATE, 2: 2 * LATE, 3: LATE}
+    assert after["bytes_down"] == before["bytes_down"] + 3 * LATE
+
+
+def test_late_transfers_skip_pruned_rounds_sqlite(start_service, sqlite_url) -> None:
+    _late_transfers_skip_pruned_rounds(start_service, sqlite_url)
+
+
+@pytest.mark.usefixtures("postgres_url")
+def test_late_transfers_skip_pruned_rounds_postgres(start_service, postgres_url) -> None:
+    _late_transfers_skip_pruned_rounds(start_service, postgres_url)
