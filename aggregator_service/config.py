@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,6 +41,7 @@ __all__ = [
     "AggregatorSettings",
     "FederationConfig",
     "StoreTarget",
+    "nested_rank_ratio_for",
     "recorded_normalization",
     "stored_spec",
 ]
@@ -264,9 +265,7 @@ class FederationConfig:
     @property
     def nested_rank_ratio(self) -> float | None:
         """The smallest tier where mixed tiers train nested (``tier_training``), else ``None``."""
-        smallest = min(self.tiers)
-        nested = self.tier_training == "nested" and smallest < 1.0 and max(self.tiers) > smallest
-        return smallest if nested else None
+        return nested_rank_ratio_for(self.tiers, self.tier_training)
 
     def strategy_params(self, num_clients_total: int) -> dict[str, Any]:
         """The strategy's keyword arguments: the federation's own keys its ``__init__`` takes, then strategy_args."""
@@ -340,6 +339,14 @@ _OPTIONAL_MODEL_KEYS = ("model_args", "full_rank", "head", "input_shape")
 
 #: FederationConfig's keys that are TrainConfig fields, passed to clients as they are.
 _TRAINING_KEYS = tuple(f.name for f in fields(FederationConfig) if f.name in {g.name for g in fields(TrainConfig)})
+
+
+def nested_rank_ratio_for(tiers: Sequence[float], tier_training: str) -> float | None:
+    """The smallest of ``tiers`` where mixed tiers train nested (``tier_training = "nested"``), else ``None``:
+    :attr:`FederationConfig.nested_rank_ratio`, and that of a stored config (:func:`stored_keys`)."""
+    smallest = min(tiers)
+    nested = tier_training == "nested" and smallest < 1.0 and max(tiers) > smallest
+    return smallest if nested else None
 
 
 def recorded_normalization(dataset: str) -> dict[str, list[float]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,13 +14,14 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from aggregator_service import store
-from aggregator_service.config import FederationConfig, stored_keys, stored_spec
+from aggregator_service.config import nested_rank_ratio_for, stored_keys, stored_spec
 from aggregator_service.database_url import check_url, shown
 from aggregator_service.intervals import EveryRound
 from aggregator_service.rounds import CohortSampler, Federation
 from aggregator_service.strategies.fedavg import FedAvg
 from fedcore.model_file import write_model_file
 from fedcore.spec import ModelSpec
+from fedcore.tiers import match_tier
 
 __all__ = ["export_global_model", "rebind_certificate", "revoke"]
 
@@ -109,15 +109,14 @@ def export_global_model(
 
 def _served_tier(config: Mapping[str, Any], tier: float | None, federation_name: str) -> float:
     """``tier`` as the federation serves it; 1 (the global model) always is."""
-    if tier is None or math.isclose(tier, 1.0):
+    if tier is None:
         return 1.0
     tiers = sorted({1.0, *(float(t) for t in stored_keys(config).tiers)}, reverse=True)
-    for served in tiers:
-        if math.isclose(served, tier, rel_tol=1e-9):
-            return served
-    raise ValueError(
-        f"federation {federation_name!r} serves no tier {tier:g}: its tiers are {', '.join(f'{t:g}' for t in tiers)}"
-    )
+    served = match_tier(tier, tiers)
+    if served is None:
+        listed = ", ".join(f"{t:g}" for t in tiers)
+        raise ValueError(f"federation {federation_name!r} serves no tier {tier:g}: its tiers are {listed}")
+    return served
 
 
 def _tier_model(
@@ -136,7 +135,7 @@ def _tier_model(
         global_tensors={n: torch.from_numpy(array) for n, (array, _v, _i) in loaded.items()},
         tier_init=keys.tier_init,
         tier_average=keys.tier_average,
-        nested_rank_ratio=FederationConfig.nested_rank_ratio.fget(keys),  # type: ignore[attr-defined]
+        nested_rank_ratio=nested_rank_ratio_for(keys.tiers, keys.tier_training),
     )
     federation.versions.update({n: int(version) for n, (_a, version, _i) in loaded.items() if n in federation.versions})
     return federation.tier_spec(tier), {n: t.contiguous() for n, t in federation.tier_tensors(tier).items()}

@@ -32,7 +32,7 @@ from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS, check_model_allo
 from client_agent.pacing import ComputeSlot, RoundWatch
 from client_agent.state import ClientState, PendingUpdate
 from client_agent.transport import LONG_POLL_SECONDS, AggregatorClient, Stopped, Unauthenticated, task_from_proto
-from client_agent.update import ClientEvaluation, evaluate_client, run_task
+from client_agent.update import ClientEvaluation, evaluate_client, on_device, run_task
 from fedcore.data import check_labels
 from fedcore.model_input import Normalization, fit_to_model, needs_fitting
 from fedcore.spec import ModelSpec
@@ -113,6 +113,7 @@ class Agent:
         defer_evaluation: bool = False,
         long_poll_seconds: float = LONG_POLL_SECONDS,
         allowed_models: tuple[str, ...] = DEFAULT_ALLOWED_MODELS,
+        device: str | None = None,
     ) -> None:
         self.client = client
         self.state_dir = Path(state_dir)
@@ -134,6 +135,10 @@ class Agent:
         self.round_watch = round_watch  # shared by the agents of one process: one heartbeat stream, not one each
         # model code the aggregator may make this client import, beyond the zoo (client_agent.allowed_models)
         self.allowed_models = tuple(allowed_models)
+        # the torch device this client trains and evaluates on (auto, cpu, cuda[:N]), whatever the task's config
+        # names: the device is the client's hardware, not the federation's; None: the task's (the server sends
+        # "auto"). client_agent.update.on_device applies it, to both
+        self.device = device
         self.credentials: Credentials | None = None
         self.spec: ModelSpec | None = None
         self.state: ClientState | None = None
@@ -297,6 +302,7 @@ class Agent:
         s, spec = self.state, self.spec
         assert s is not None and spec is not None
         task = task_from_proto(train)
+        task = replace(task, config=on_device(task.config, self.device))
         scaffold = bool(task.strategy.get("scaffold"))
         fetched_bytes = 0
         # round r trains the model round r−1 closed with: the evaluation fetch of r−1 already brought it
@@ -416,7 +422,7 @@ class Agent:
 
     def _evaluation(self, state: ClientState) -> ClientEvaluation:
         assert self.spec is not None and self.test_data is not None
-        return evaluate_client(state, self.spec, self.test_data, self.train_data)
+        return evaluate_client(state, self.spec, self.test_data, self.train_data, device=self.device)
 
     def _keep_report(self, closed: int, ev: ClientEvaluation) -> None:
         """The evaluation goes with the next GetTask (every flow asks for a task before it evaluates again)."""

@@ -211,11 +211,12 @@ def train_in_process(
 
 
 def evaluate_in_process(
-    vc: VirtualClient, spec: ModelSpec, fetched: Mapping[str, tuple[Tensor, int]], *, fp16: bool
+    vc: VirtualClient, spec: ModelSpec, fetched: Mapping[str, tuple[Tensor, int]], *, fp16: bool, device: str
 ) -> tuple[Moved, ClientEvaluation]:
-    """As an agent does once a round closed: receive the newer tensors, evaluate on the local test split."""
+    """As an agent does once a round closed: receive the newer tensors, evaluate on the local test split, on
+    ``device`` (the simulation's ``--device``, where the clients train: a replaced Ray actor's clients have not)."""
     down = _receive(vc, spec, fetched, fp16)
-    return down, evaluate_client(vc.state, spec, vc.test, vc.train)
+    return down, evaluate_client(vc.state, spec, vc.test, vc.train, device=device)
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,8 @@ class WorkerJob:
     keep_state: bool = True  # False: the state root is a temporary directory, never resumed from
     # model code the agents may import: the simulation's own model, which its user named (allowed_models.py)
     allowed_models: tuple[str, ...] = DEFAULT_ALLOWED_MODELS
+    # the torch device the agents train and evaluate on (``--device``: auto, cpu, cuda[:N]); None: what the task names
+    device: str | None = None
 
 
 def state_dir(root: str | Path, index: int) -> Path:
@@ -293,8 +296,11 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
     from client_agent.agent import Agent
     from client_agent.pacing import ComputeSlot, RoundWatch
     from client_agent.transport import AggregatorClient
+    from fedcore.training import resolve_device
     from fedwire.allocator import reuse_message_buffers
 
+    if job.device is not None:  # where the agents run (a Ray node need not be the driver's): before any training
+        resolve_device(job.device)
     reuse_message_buffers()
     torch.set_num_threads(job.torch_threads)
     clients = job.population.build(fit=job.indices)
@@ -316,6 +322,7 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
             round_watch=watch,
             defer_evaluation=True,
             allowed_models=job.allowed_models,
+            device=job.device,
         )
         agent.ensure_registered()
         agents[i] = agent
@@ -363,12 +370,14 @@ def run_grpc_pool(
     torch_threads: int = 1,
     keep_state: bool = True,
     allowed_models: Sequence[str] = DEFAULT_ALLOWED_MODELS,
+    device: str | None = None,
 ) -> dict[str, int]:
     """Run every virtual client through ``workers`` processes until the federation is done.
 
     The clients must be registered already (:func:`register_all`). ``poll`` is called about
     twice a second while the workers run (progress reporting). ``keep_state=False``: the agents
-    write no state (``state_root`` is a temporary directory nobody can resume from).
+    write no state (``state_root`` is a temporary directory nobody can resume from). ``device``:
+    the torch device every agent trains and evaluates on (None: what the server's task names).
     """
     n = population.num_clients
     workers = max(1, min(workers, n))
@@ -383,6 +392,7 @@ def run_grpc_pool(
             eval_poll_seconds,
             keep_state,
             tuple(allowed_models),
+            device,
         )
         for w in range(workers)
     ]

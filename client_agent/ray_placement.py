@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fedcore.tiers import match_tier
+
 __all__ = ["DEFAULT_RESOURCES", "Slot", "TierResources", "parse_resources", "place"]
 
 #: Ray's names for what a client takes, and the cluster totals :func:`place` compares them with.
@@ -126,12 +128,12 @@ def parse_resources(table: Mapping[str, Any] | None, tiers: Sequence[float]) -> 
             default = res
             continue
         tier = _tier(key)
-        match = [t for t in known if math.isclose(t, tier, rel_tol=1e-9)]
-        if not match:
+        match = match_tier(tier, known)
+        if match is None:
             raise ValueError(f"{where}: no client has tier {tier:g} (tiers: {', '.join(f'{t:g}' for t in known)})")
-        if match[0] in given:
+        if match in given:
             raise ValueError(f"{where}: tier {tier:g} is given twice")
-        given[match[0]] = res
+        given[match] = res
     return {t: given.get(t, default) for t in known}
 
 

@@ -126,10 +126,13 @@ class ClientHost:
         tensors: Mapping[str, Tensor],
         members: Sequence[tuple[str, Mapping[str, int]]],
         fp16: bool,
+        device: str,
     ) -> list[tuple[Moved, ClientEvaluation]]:
-        """Evaluate some of this actor's clients on the closed model: ``(client id, versions)`` each."""
+        """Evaluate some of this actor's clients on the closed model: ``(client id, versions)`` each, on ``device``."""
         return [
-            evaluate_in_process(self._client(cid), spec, {n: (tensors[n], v) for n, v in versions.items()}, fp16=fp16)
+            evaluate_in_process(
+                self._client(cid), spec, {n: (tensors[n], v) for n, v in versions.items()}, fp16=fp16, device=device
+            )
             for cid, versions in members
         ]
 
@@ -258,6 +261,7 @@ def run_ray_grpc_pool(
     keep_state: bool = True,
     max_replacements: int = 3,
     allowed_models: Sequence[str] = DEFAULT_ALLOWED_MODELS,
+    device: str | None = None,
 ) -> dict[str, int]:
     """:func:`client_agent.pool.run_grpc_pool` on Ray: each actor runs its slot's clients as real agents.
 
@@ -267,7 +271,7 @@ def run_ray_grpc_pool(
     that dies is replaced and its agents start again from what their state directory holds (a
     restarted device: it asks for its task, fetches, trains and pushes the open round again);
     ``on_replaced`` hears the client indices. A slot replaced more than ``max_replacements`` times
-    fails the run.
+    fails the run. ``device``: the torch device every agent trains and evaluates on, resolved on its actor's node.
     """
     import ray
     from ray.exceptions import RayActorError
@@ -281,7 +285,7 @@ def run_ray_grpc_pool(
         slot = hosts.slots[s]
         job = WorkerJob(
             target, population, slot.indices, root, tls_ca, torch_threads, eval_poll_seconds, keep_state,
-            tuple(allowed_models),
+            tuple(allowed_models), device,
         )  # fmt: skip
         creds = {i: Credentials.load(state_dir(state_root, i)) for i in slot.indices}
         return hosts.actors[s].run_agents.remote(job, creds)

@@ -6,7 +6,7 @@ with the task the server sent, so a client behaves identically whichever way it 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import Tensor
@@ -20,7 +20,7 @@ from fedcore.training.nested import nested_cut
 from fedcore.training.personalization import SPLITS, personal_tensors
 from fedcore.training.terms import LocalTerms
 
-__all__ = ["ClientEvaluation", "ClientPush", "TrainTask", "evaluate_client", "run_task"]
+__all__ = ["ClientEvaluation", "ClientPush", "TrainTask", "evaluate_client", "on_device", "run_task"]
 
 
 @dataclass(frozen=True)
@@ -141,28 +141,43 @@ def run_task(
     )
 
 
+def on_device(config: TrainConfig, device: str | None) -> TrainConfig:
+    """``config`` on the torch device the client computes on, for training and evaluation alike: ``device``
+    where the client names one (``--device``: its own hardware, whatever device the federation's task names),
+    else the config's own (the task's; an aggregator's says ``auto``)."""
+    return config if device is None else replace(config, device=device)
+
+
 def evaluate_client(
-    state: ClientState, spec: ModelSpec, test_data: Dataset, train_data: Dataset | None = None
+    state: ClientState,
+    spec: ModelSpec,
+    test_data: Dataset,
+    train_data: Dataset | None = None,
+    *,
+    device: str | None = None,
 ) -> ClientEvaluation:
     """The current global model and the client's personalized one on local test data.
 
     Personalized: the global coefficients × the personal atoms; the global model with the client's
     personal tensors in place (FedPer, FedRep, LG-FedAvg, Local-only) or Ditto's ``v_k``; or, for
     FedAvg+FT, the global model fine-tuned on ``train_data`` with the last round's config and seed.
+    Everything runs where the client trains (:func:`on_device`): on ``device`` where one is given, else
+    where its last round trained (``auto`` before it trained).
     """
+    last = None if state.last_config is None else TrainConfig.from_dict(state.last_config)
+    config = on_device(TrainConfig() if last is None else last, device)
     model = spec.build()
     model.load_state_dict({**state.global_tensors, **state.local})
-    glob = evaluate(model, test_data)
+    glob = evaluate(model, test_data, device=config.device)
     personal = None
-    config = None if state.last_config is None else TrainConfig.from_dict(state.last_config)
     if state.personal_atoms is not None:
-        personal = evaluate(personalized_model(model, state.personal_atoms), test_data).accuracy
+        personal = evaluate(personalized_model(model, state.personal_atoms), test_data, device=config.device).accuracy
     elif state.personal_model is not None:
         model.load_state_dict({**state.global_tensors, **state.local, **state.personal_model})
-        personal = evaluate(model, test_data).accuracy
-    elif config is not None and config.personalization == "ft":
+        personal = evaluate(model, test_data, device=config.device).accuracy
+    elif last is not None and config.personalization == "ft":
         if train_data is None or state.last_seed is None:
             raise ValueError("FedAvg+FT evaluates a fine-tuned model: it needs the client's training data")
         tuned, _ = fine_tune(model, train_data, config, seed=state.last_seed)
-        personal = evaluate(tuned, test_data).accuracy
+        personal = evaluate(tuned, test_data, device=config.device).accuracy
     return ClientEvaluation(glob.accuracy, glob.loss, personal, glob.num_samples)

@@ -293,7 +293,7 @@ def _client_engine(config: SimulationConfig, train: Dataset, test: Dataset) -> A
         return RayClients(config)
     population = config.population()
     clients = population.fitted(population.clients(train, test))
-    return LocalClients(clients, config.seed, config.fp16, config.personal_atoms)
+    return LocalClients(clients, config.seed, config.fp16, config.personal_atoms, config.device)
 
 
 def _round_record(

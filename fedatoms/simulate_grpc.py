@@ -30,6 +30,7 @@ from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS
 from client_agent.pool import register_all, run_grpc_pool
 from fedatoms.records import CATEGORY_TOTALS, TOTALS, accumulate, mean_or_none, summarize
 from fedcore.reference import is_zoo
+from fedcore.training import resolve_device
 
 __all__ = ["federation_config", "records_from_store", "run_grpc_simulation"]
 
@@ -60,6 +61,8 @@ def run_grpc_simulation(
     say = announce or (lambda text: print(text, file=sys.stderr))
     if workers is not None and config.engine == "ray":
         raise ValueError("--workers is the local engine's; with --engine ray, [simulation.resources] places clients")
+    if config.engine == "local":  # as in process, before anything starts (Ray's actors resolve it where they run)
+        resolve_device(config.device)
     if tls_ca is not None and not Path(tls_ca).is_file():  # before an aggregator starts, not at the first connection
         raise ValueError(f"--tls-ca {tls_ca}: no such file")
     if server is not None and database_url is None:
@@ -129,7 +132,12 @@ def run_grpc_simulation(
             )
             # how every pool runs the agents
             agents: dict[str, Any] = dict(
-                tls_ca=tls_ca, poll=poll, torch_threads=config.threads, keep_state=keep_state, allowed_models=allowed
+                tls_ca=tls_ca,
+                poll=poll,
+                torch_threads=config.threads,
+                keep_state=keep_state,
+                allowed_models=allowed,
+                device=config.device,  # every agent trains there, as the in-process clients do
             )
             if on_start is not None:
                 on_start()

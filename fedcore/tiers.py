@@ -7,11 +7,20 @@ counts of each tier's ModelSpec against the device's declared memory and compute
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 from fedcore.spec import ModelSpec
 
-__all__ = ["BYTES_PER_TRAINED_PARAMETER", "TIERS", "CapabilityProfile", "NoTierFitsError", "assign_tier", "tier_costs"]
+__all__ = [
+    "BYTES_PER_TRAINED_PARAMETER",
+    "TIERS",
+    "CapabilityProfile",
+    "NoTierFitsError",
+    "assign_tier",
+    "match_tier",
+    "tier_costs",
+]
 
 TIERS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125)
 # fp32 weights + gradients + momentum buffer + the copy kept for the update/FedProx anchor.
@@ -52,6 +61,12 @@ def _number(value: object) -> bool:
 
 class NoTierFitsError(ValueError):
     """Even the smallest tier exceeds the declared budget; the client cannot take part."""
+
+
+def match_tier(tier: float, tiers: Iterable[float]) -> float | None:
+    """The tier of ``tiers`` that ``tier`` names, equal but for float rounding (a ``1/4`` a user wrote, read as a
+    float); ``None`` where ``tiers`` has none."""
+    return next((float(t) for t in tiers if math.isclose(float(t), tier, rel_tol=1e-9)), None)
 
 
 def tier_costs(spec: ModelSpec, tiers: tuple[float, ...] = TIERS) -> dict[float, tuple[int, int]]:

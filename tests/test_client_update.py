@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
+from pretend_cuda import NEEDS_NO_GPU, NO_CUDA_ERRORS, pretend_cuda
 
 from client_agent.state import ClientState
-from client_agent.update import TrainTask, evaluate_client, run_task
+from client_agent.update import TrainTask, evaluate_client, on_device, run_task
 from fedcore.data import load_dataset
 from fedcore.spec import ModelSpec
 from fedcore.training import TrainConfig
+from fedcore.training.personalization import personal_tensors
 
 SPEC = ModelSpec("digits-cnn", 10, "atoms", 9)
 ATOMS = ("conv1.atoms", "conv2.atoms")
@@ -96,3 +100,43 @@ def test_local_tensors_survive_every_round_and_are_never_pushed():
     assert not torch.equal(trained, state.global_tensors["conv1.bias"])
     for continue_unsynced in (False, True):
         assert torch.equal(state.starting_point(continue_unsynced)["conv1.bias"], trained)
+
+
+@NEEDS_NO_GPU
+@pytest.mark.parametrize(
+    ("personalization", "atoms"), [("none", False), ("none", True), ("fedper", False), ("ft", False)]
+)
+def test_evaluation_runs_where_the_client_trains(monkeypatch, personalization: str, atoms: bool) -> None:
+    """``--device cpu`` on a GPU machine: the client evaluates on the CPU too, every model it evaluates (the global
+    one, personal atoms', a baseline's personal tensors', FT's fine-tuned copy). The machine pretends CUDA, so
+    ``auto`` picks it and using it fails: an evaluation that finishes ran on the device it was given."""
+    train, test = load_dataset("digits")
+    data, held_out = train.subset(range(64)), test.subset(range(50))
+    config = TrainConfig(local_epochs=1, batch_size=32, lr=0.01, personalization=personalization)
+    due = tuple(n for n in SPEC.names if n not in personal_tensors(SPEC, personalization))
+    server_task = TrainTask(1, due, config, False, seed=1)  # the aggregator's: device auto
+    trained_on_auto, trained_on_cpu = fresh_state(), fresh_state()
+    run_task(trained_on_auto, SPEC, server_task, data, personal_atoms=atoms)  # before the GPU: auto is the CPU
+    on_cpu = replace(server_task, config=on_device(server_task.config, "cpu"))  # an agent given --device cpu
+    run_task(trained_on_cpu, SPEC, on_cpu, data, personal_atoms=atoms)
+    assert (trained_on_auto.last_config["device"], trained_on_cpu.last_config["device"]) == ("auto", "cpu")
+
+    pretend_cuda(monkeypatch)
+    with pytest.raises(NO_CUDA_ERRORS):  # the pretence holds: a client trained on auto evaluates on auto's CUDA
+        evaluate_client(trained_on_auto, SPEC, held_out, data)
+    # restarted with --device cpu before it evaluated the round it trained on auto: the CPU, not the task's auto
+    restarted = evaluate_client(trained_on_auto, SPEC, held_out, data, device="cpu")
+    # no device given (an in-process client of `simulate --device cpu`): where its last round trained
+    trained_there = evaluate_client(trained_on_cpu, SPEC, held_out, data)
+    for evaluation in (restarted, trained_there):
+        assert evaluation.num_samples == 50
+        assert (evaluation.personalized_accuracy is None) == (personalization == "none" and not atoms)
+    # a client that has not trained yet (a replaced Ray actor's) evaluates on the device it is given
+    assert evaluate_client(fresh_state(), SPEC, held_out, data, device="cpu").num_samples == 50
+
+
+def test_on_device_is_the_clients_device_where_it_names_one_else_the_tasks() -> None:
+    task_config = TrainConfig(local_epochs=2)  # the aggregator's: device auto
+    assert on_device(task_config, None) is task_config
+    assert on_device(task_config, "cpu") == replace(task_config, device="cpu")
+    assert on_device(replace(task_config, device="cpu"), "cuda:1").device == "cuda:1"

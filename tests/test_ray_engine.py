@@ -100,6 +100,18 @@ def test_ray_over_grpc_gives_the_local_record(local_rich, tmp_path):
     _same(_rounds(local_rich), _rounds(ray_run), "rounds")
 
 
+def test_ray_over_grpc_agents_train_on_the_given_device(tmp_path):
+    """``--device`` reaches the agents every actor runs: each records it in its saved state (the server's task
+    alone says ``auto``)."""
+    from client_agent.state import ClientState
+
+    config = SimulationConfig(engine="ray", transport="grpc", device="cpu", **{**PLAIN, "rounds": 2})
+    run_simulation(config, database_url=f"sqlite:///{tmp_path / 'agg.db'}", state_dir=str(tmp_path / "clients"))
+    states = [ClientState.load(tmp_path / "clients" / client_key(i)) for i in range(PLAIN["clients"])]
+    assert [s.rounds_joined for s in states] == [2] * PLAIN["clients"]
+    assert [s.last_config["device"] for s in states] == ["cpu"] * PLAIN["clients"]
+
+
 def _kill_after_round_1(slot: int) -> Any:
     """A progress callback that, once round 1 is recorded, SIGKILLs the actor of ``slot`` and waits for it to go."""
     killed: list[int] = []

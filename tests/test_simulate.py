@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pretend_cuda import NEEDS_NO_GPU, pretend_cuda
 
 from fedatoms.simulate import SimulationConfig, build_federation, run_simulation
 
@@ -321,3 +322,58 @@ def test_scaffolds_fedavg_equivalent_is_what_a_fedavg_run_on_the_same_cohorts_mo
     assert fedavg["fedavg_equivalent_bytes"] == fedavg["bytes_total"]  # FedAvg against itself: 1.000×
     assert scaffold["fedavg_equivalent_bytes"] == fedavg["bytes_total"]
     assert scaffold["bytes_ratio_vs_fedavg"] == pytest.approx(scaffold["bytes_total"] / fedavg["bytes_total"])
+
+
+@pytest.mark.parametrize("transport", ["inprocess", "grpc"])
+def test_device_cpu_runs_and_every_grpc_agent_trains_on_it(transport: str, tmp_path: Path) -> None:
+    """``--device`` reaches every client: over gRPC each agent, in either worker process, records the device it
+    trained on in its saved state (the task's config with the agent's device in it), where the server's task
+    alone says ``auto``."""
+    from client_agent.state import ClientState
+    from fedcore.keys import client_key
+
+    config = SimulationConfig(
+        dataset="digits", clients=4, fraction=1.0, rounds=2, partition="iid", batch_size=32, seed=3, device="cpu"
+    )
+    config.transport = transport
+    options = {"workers": 2, "state_dir": str(tmp_path / "clients")} if transport == "grpc" else {}
+    results = run_simulation(config, **options)
+    assert [r["round"] for r in results["rounds"]] == [1, 2] and results["config"]["device"] == "cpu"
+    if transport == "grpc":
+        states = [ClientState.load(tmp_path / "clients" / client_key(i)) for i in range(4)]
+        assert [s.rounds_joined for s in states] == [2, 2, 2, 2]
+        assert [s.last_config["device"] for s in states] == ["cpu"] * 4
+
+
+@NEEDS_NO_GPU
+def test_device_cpu_keeps_an_in_process_run_off_a_gpu(monkeypatch) -> None:
+    """``--device cpu`` on a GPU machine: the clients train and evaluate on the CPU. The machine pretends CUDA
+    (``auto`` picks it, and using it fails): a run that finishes, with the clients' evaluations, stayed off it."""
+    pretend_cuda(monkeypatch)
+    config = SimulationConfig(dataset="digits", clients=2, fraction=1.0, rounds=1, partition="iid", device="cpu")
+    (record,) = run_simulation(config)["rounds"]
+    assert record["local_accuracy"] is not None
+
+
+@NEEDS_NO_GPU
+@pytest.mark.parametrize("engine", ["local", "ray actor"])
+def test_a_client_that_has_not_trained_evaluates_on_the_given_device(engine: str, monkeypatch) -> None:
+    """A replaced Ray actor's clients evaluate before they train (the retried evaluation of the round its
+    predecessor died in): on the simulation's ``--device``, not on ``auto`` (CUDA here: pretended, and failing)."""
+    from client_agent.ray_pool import ClientHost
+    from fedatoms.engines.local import LocalClients
+    from fedcore.keys import client_key
+
+    config = SimulationConfig(dataset="digits", clients=2, fraction=1.0, rounds=1, partition="iid", device="cpu")
+    federation, population = build_federation(config), config.population()
+    pretend_cuda(monkeypatch)
+    if engine == "local":
+        pool = LocalClients(population.build(), config.seed, config.fp16, config.personal_atoms, config.device)
+        evaluations = [e for _, _, e in pool.evaluate(federation, pool.client_ids)]
+    else:  # the actor's body, called as Ray would call it
+        host = ClientHost(population, range(config.clients), torch_threads=1)
+        fetched = federation.fetch(1.0, {})  # the whole model, as the driver sends it to a fresh actor
+        tensors, versions = {n: t for n, (t, _) in fetched.items()}, {n: v for n, (_, v) in fetched.items()}
+        members = [(client_key(i), versions) for i in range(config.clients)]
+        evaluations = [e for _, e in host.evaluate(federation.tier_spec(1.0), tensors, members, False, config.device)]
+    assert len(evaluations) == 2 and all(e.num_samples > 0 for e in evaluations)

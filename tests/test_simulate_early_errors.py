@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BAR = ("round:", "%|")
+NEEDS_NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: --device cuda is no mistake")
 
 
 def simulate(*args: str) -> subprocess.CompletedProcess:
@@ -39,6 +41,18 @@ def test_a_run_without_a_mistake_draws_the_bar() -> None:
         (("--clients", "4", "--dataset", "cifar10", "--data-dir", "{tmp}"), "dataset 'cifar10' not found in"),
         (("--clients", "4", "--threads", "0"), "threads must be ≥ 1, got 0"),
         (("--clients", "4", "--device", "tpu"), "unknown device 'tpu'"),
+        # the clients' device: checked before the aggregator or a worker starts, as in process
+        (("--clients", "4", "--transport", "grpc", "--device", "tpu"), "unknown device 'tpu'"),
+        pytest.param(
+            ("--clients", "4", "--device", "cuda"),
+            "device 'cuda' requested but CUDA is not available on this machine",
+            marks=NEEDS_NO_CUDA,
+        ),
+        pytest.param(
+            ("--clients", "4", "--transport", "grpc", "--device", "cuda"),
+            "device 'cuda' requested but CUDA is not available on this machine",
+            marks=NEEDS_NO_CUDA,
+        ),
         (("--clients", "4", "--server", "127.0.0.1:1"), "server only apply to --transport grpc"),
         # written after the last round: refused before the first
         (("--clients", "4", "--save-model", "{tmp}"), "is a directory: give the model file's path"),

@@ -28,6 +28,10 @@ def cmd_client_run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.device is not None:  # as `fedatoms simulate --device`: refused in one line, before anything registers
+        from fedcore.training import resolve_device
+
+        resolve_device(args.device)
     if args.min_link_kbps is not None and not args.min_link_kbps > 0:
         raise ValueError(f"--min-link-kbps must be > 0, got {args.min_link_kbps}")
     train, test = _local_data(args)
@@ -60,6 +64,7 @@ def cmd_client_run(args: argparse.Namespace) -> int:
         name=args.name,
         progress=not args.no_progress,
         allowed_models=allowed_models(args.allow_model),
+        device=args.device,
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -199,6 +204,11 @@ def add_parser(sub: Any) -> None:
         "--threads",
         type=int,
         help="torch threads for training and evaluation [one per core]; 1 when several clients share a machine",
+    )
+    run.add_argument(
+        "--device",
+        help="the torch device this client trains and evaluates on: auto (CUDA when available, else CPU), cpu, "
+        "cuda or cuda:N [auto]",
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar per local epoch")
     run.add_argument("-v", "--verbose", action="store_true")

@@ -68,9 +68,12 @@ def server_control(federation: Federation) -> dict[str, Tensor] | None:
 class LocalClients:
     """The virtual clients in this process."""
 
-    def __init__(self, clients: Sequence[VirtualClient], seed: int, fp16: bool, personal_atoms: bool) -> None:
+    def __init__(
+        self, clients: Sequence[VirtualClient], seed: int, fp16: bool, personal_atoms: bool, device: str
+    ) -> None:
         self.by_id = {c.client_id: c for c in clients}
         self.seed, self.fp16, self.personal_atoms = seed, fp16, personal_atoms
+        self.device = device  # where the clients evaluate; they train where each task's config says
         self.faults: dict[int, list[dict[str, Any]]] = {}  # round → lost clients; none here: a failure ends the run
 
     @property
@@ -90,7 +93,8 @@ class LocalClients:
         for cid in cohort:
             vc = self.by_id[cid]
             fetched = federation.fetch(vc.state.tier, vc.state.versions)
-            moved, evaluation = evaluate_in_process(vc, federation.tier_spec(vc.state.tier), fetched, fp16=self.fp16)
+            spec = federation.tier_spec(vc.state.tier)
+            moved, evaluation = evaluate_in_process(vc, spec, fetched, fp16=self.fp16, device=self.device)
             yield cid, moved, evaluation
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ class RayClients:
     def __init__(self, config: Any) -> None:
         self.population = config.population()
         self.seed, self.fp16, self.personal_atoms = config.seed, config.fp16, config.personal_atoms
+        self.device = config.device  # where the actors' clients evaluate; they train where each task says
         self.retry = config.actor_failure == "retry"
         self.hosts = ClientHosts(self.population, config.resources, config.threads)
         self.index = {client_key(i): i for i in range(self.population.num_clients)}
@@ -166,6 +167,7 @@ class RayClients:
                 self._model(federation, tier),
                 members,
                 self.fp16,
+                self.device,
                 returns=len(chunk),
             )
 

@@ -220,6 +220,18 @@ def offline_round(
     return fed
 
 
+def round_metric(url: str, round_: int, column: Any) -> Any:
+    """One column of round ``round_``'s metrics row as the server stored it, e.g. ``store.RoundMetrics.extra``."""
+    engine = store.create_engine_for(url)
+    try:
+        with Session(engine) as s:
+            value = s.scalar(select(column).where(store.RoundMetrics.round == round_))
+    finally:
+        engine.dispose()
+    assert value is not None, f"round {round_} stored no {column}"
+    return value
+
+
 def global_tensors(url: str, name: str = "default") -> dict[str, tuple[torch.Tensor, int]]:
     engine = store.create_engine_for(url)
     try:

@@ -20,10 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpc_helpers import SECRET, Service, start_aggregator
+from grpc_helpers import SECRET, Service, round_metric, start_aggregator
 from image_folders import digits_probabilities, gray_pngs
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 from support import postgres_base, postgres_schema
 
 from aggregator_service import store
@@ -45,17 +43,6 @@ def client_run(port: int, state_dir: Path, marker: Path, *extra: str) -> subproc
     cmd += ["--enrollment-secret", SECRET, "--dataset", "digits", "--partition", "iid", "--num-partitions", "2"]
     cmd += ["--partition-index", "0", "--state-dir", str(state_dir), "--no-progress", *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-
-
-def server_accuracy(url: str, round_: int) -> float:
-    engine = store.create_engine_for(url)
-    try:
-        with Session(engine) as s:
-            value = s.scalar(select(store.RoundMetrics.test_accuracy).where(store.RoundMetrics.round == round_))
-    finally:
-        engine.dispose()
-    assert value is not None
-    return float(value)
 
 
 @pytest.mark.parametrize(("factorization", "backend"), [("atoms", "sqlite"), ("none", "sqlite"), ("atoms", "postgres")])
@@ -110,7 +97,7 @@ def _federate_export_load_and_predict(url: str, factorization: str, tmp_path, st
         type(m).__name__ in ("Conv2d", "Linear") for m in model.modules() if hasattr(m, "weight") and m.weight.dim() > 1
     )
     test = load_dataset("digits")[1]
-    assert evaluate(model, test, device="cpu").accuracy == server_accuracy(url, 2)
+    assert evaluate(model, test, device="cpu").accuracy == round_metric(url, 2, store.RoundMetrics.test_accuracy)
     factorized = load_model(out, allowed_models=["user_models"], factorized=True)
     torch.testing.assert_close(factorized(test.x[:32]), model(test.x[:32]), rtol=1e-4, atol=1e-5)
 

@@ -17,11 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpc_helpers import Client, register, shards
+from grpc_helpers import Client, register, round_metric, shards
 from image_folders import digits_probabilities, gray_pngs
 from safetensors import safe_open
-from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from aggregator_service import store
 from fedatoms import load_model
@@ -56,16 +54,6 @@ def parameters(model: torch.nn.Module) -> int:
 def file_contents(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     with safe_open(str(path), framework="pt") as f:
         return dict(f.metadata()), {n: f.get_tensor(n) for n in f.keys()}
-
-
-def server_tier_accuracy(url: str, round_: int, tier: str) -> float:
-    engine = store.create_engine_for(url)
-    try:
-        with Session(engine) as s:
-            extra = s.scalar(select(store.RoundMetrics.extra).where(store.RoundMetrics.round == round_))
-    finally:
-        engine.dispose()
-    return float(extra["tier_accuracy"][tier])
 
 
 def test_tier_export_is_the_model_a_tier_client_fetches(start_service, sqlite_url, tmp_path) -> None:
@@ -107,7 +95,7 @@ def test_tier_export_is_the_model_a_tier_client_fetches(start_service, sqlite_ur
         assert not torch.allclose(global_model(inputs), want, atol=1e-3)  # the cut is another model
     assert parameters(factorized) < parameters(load_model(full, factorized=True))
     assert evaluate(factorized, test, device="cpu").accuracy == pytest.approx(
-        server_tier_accuracy(sqlite_url, 1, "0.25"), abs=1e-9
+        round_metric(sqlite_url, 1, store.RoundMetrics.extra)["tier_accuracy"]["0.25"], abs=1e-9
     )
 
     # `fedatoms predict` runs the tier file: the classes the fetched model gives the same images

@@ -7,6 +7,7 @@ registration could happen, and checks the database afterwards: nothing registere
 from __future__ import annotations
 
 import pytest
+import torch
 from processes import SECRET, Aggregator, federation_toml
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -93,3 +94,22 @@ def test_threads_below_one_are_refused(aggregator, tmp_path, capsys) -> None:
     assert code == 2
     assert "--threads must be ≥ 1, got 0" in err and len(err.strip().splitlines()) == 1
     assert _clients(aggregator.url) == 0
+
+
+@pytest.mark.parametrize(
+    ("device", "says"),
+    [
+        ("tpu", "unknown device 'tpu'; use 'auto', 'cpu' or 'cuda[:N]'"),
+        pytest.param(
+            "cuda:1",
+            "device 'cuda:1' requested but CUDA is not available on this machine",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: --device cuda:1 is no mistake"),
+        ),
+    ],
+)
+def test_a_device_torch_cannot_use_is_refused(aggregator, tmp_path, capsys, device: str, says: str) -> None:
+    """As `fedatoms simulate --device` refuses it, with the same line."""
+    code, err = _run(capsys, "--server", aggregator.target, "--device", device, "--state-dir", str(tmp_path / "d"))
+    assert code == 2
+    assert err.strip() == f"fedatoms: error: {says}"
+    assert _clients(aggregator.url) == 0 and not (tmp_path / "d").exists()  # before the state directory, too

@@ -17,6 +17,7 @@ from fedcore.tiers import (
     CapabilityProfile,
     NoTierFitsError,
     assign_tier,
+    match_tier,
     tier_costs,
 )
 
@@ -218,3 +219,12 @@ def test_assignment_is_the_largest_fitting_tier(memory, macs, preferred):
             assign_tier(profile, SPEC)
     else:
         assert assign_tier(profile, SPEC) == expected
+
+
+def test_match_tier_names_a_tier_but_for_float_rounding() -> None:
+    tiers = [1, 0.25, 0.125]
+    assert match_tier(1 / 4, tiers) == 0.25
+    assert match_tier((0.1 + 0.25) - 0.1, tiers) == 0.25  # 0.24999999999999997
+    assert match_tier(1.0, tiers) == 1.0 and isinstance(match_tier(1.0, tiers), float)
+    assert match_tier(0.5, tiers) is None
+    assert match_tier(0.25 * (1 + 1e-6), tiers) is None  # another number, not a rounding of 0.25

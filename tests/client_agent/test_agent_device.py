@@ -1,0 +1,114 @@
+"""The device an agent computes on (``Agent(device=…)``, ``fedatoms client run --device``): training and evaluation.
+
+The machine pretends CUDA (:mod:`pretend_cuda`): ``auto`` picks it and using it fails, so an agent that trains
+and reports its evaluation ran both where it was told.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pretend_cuda import NEEDS_NO_GPU, pretend_cuda
+from processes import SECRET, Aggregator, federation_toml, free_port
+
+from aggregator_service import store
+from aggregator_service.config import AggregatorSettings, FederationConfig
+from aggregator_service.coordinator import Coordinator
+from aggregator_service.server import build_server
+from client_agent.agent import Agent
+from client_agent.state import ClientState
+from client_agent.transport import AggregatorClient
+from fedatoms.cli import main
+from fedcore.data import load_dataset
+from fedcore.tiers import CapabilityProfile
+
+pytestmark = NEEDS_NO_GPU
+
+
+def _evaluated(url: str, round_: int) -> list[str]:
+    """The clients whose evaluation of ``round_`` the aggregator recorded."""
+    with store.session_factory(store.create_engine_for(url)).begin() as s:
+        fed = store.get_federation(s, "default")
+        assert fed is not None
+        return [e.client_id for e in store.round_evaluations(s, fed, round_)]
+
+
+def test_an_agent_restarted_with_a_device_evaluates_there_what_it_trained_on_the_tasks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent pushes round 1 trained where the task said (``auto``), stops before the round closes, and comes
+    back with ``device="cpu"`` on a machine where ``auto`` is CUDA: it evaluates round 1 on the CPU."""
+    url = f"sqlite:///{tmp_path / 'agg.db'}"
+    federation = FederationConfig(model="digits-cnn", fraction=1.0, min_clients=2, rounds=1, batch_size=32)
+    settings = AggregatorSettings(
+        listen="127.0.0.1:0",
+        database_url=url,
+        enrollment_secret=SECRET,
+        poll_interval_seconds=0.01,
+        federation=federation,
+    )
+    store.upgrade(url)
+    coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
+    server, port, _ = build_server(settings, coordinator, max_workers=8)
+    server.start()
+    train, test = load_dataset("digits")
+    channels: list[AggregatorClient] = []
+
+    def agent(name: str, device: str | None) -> Agent:
+        channels.append(AggregatorClient(f"127.0.0.1:{port}"))
+        return Agent(
+            channels[-1],
+            tmp_path / name,
+            train.subset(range(100)),
+            test.subset(range(50)),
+            profile=CapabilityProfile(num_samples=100),
+            enrollment_secret=SECRET,
+            eval_poll_seconds=0.0,
+            device=device,
+        )
+
+    def until_pushed(a: Agent) -> None:
+        for _ in range(20):
+            a.step()
+            if a.state is not None and a.state.evaluate_round == 1:
+                return
+        raise AssertionError("the agent did not push round 1")
+
+    try:
+        first, other = agent("first", None), agent("other", "cpu")
+        first.ensure_registered()
+        other.ensure_registered()
+        until_pushed(first)  # the task's device: auto, the CPU still
+        assert first.state is not None and first.state.last_config["device"] == "auto"
+        until_pushed(other)  # the round's last push: it closes
+        pretend_cuda(monkeypatch)
+        again = agent("first", "cpu")  # the same state directory, restarted with --device cpu
+        for _ in range(20):
+            if again.step() is None:
+                break
+        else:
+            raise AssertionError("the restarted agent did not finish")
+        assert again.state is not None and again.state.client_id in _evaluated(url, 1)
+    finally:
+        for channel in channels:
+            channel.close()
+        server.stop(grace=None)
+
+
+def test_client_run_with_device_cpu_trains_and_evaluates_on_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fedatoms client run --device cpu``, the real command against a real aggregator, on a machine where
+    ``auto`` is CUDA: one round trained, pushed and evaluated, and the device in the state it saved."""
+    config = federation_toml(tmp_path / "federation.toml", model="digits-cnn", rounds=1, min_clients=1)
+    url = f"sqlite:///{tmp_path / 'agg.db'}"
+    server = Aggregator(config, free_port(), url, tmp_path / "server.log").start()
+    pretend_cuda(monkeypatch)
+    try:
+        argv = ["client", "run", "--server", server.target, "--enrollment-secret", SECRET, "--partition-index", "0"]
+        code = main([*argv, "--state-dir", str(tmp_path / "state"), "--no-progress", "--device", "cpu"])
+    finally:
+        server.stop()
+    assert code == 0, (tmp_path / "server.log").read_text()[-2000:]
+    state = ClientState.load(tmp_path / "state")
+    assert state is not None and state.rounds_joined == 1 and state.last_config["device"] == "cpu"
+    assert _evaluated(url, 1) == [state.client_id]
