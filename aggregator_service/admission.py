@@ -62,17 +62,33 @@ class LatestPerClient:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._calls: dict[str, _Call] = {}
 
     def enter(self, client_id: str, call: _Call) -> None:
-        with self._lock:
+        with self._cond:
             before = self._calls.get(client_id)
             self._calls[client_id] = call
         if before is not None:
             before.cancel()
 
     def leave(self, client_id: str, call: _Call) -> None:
-        with self._lock:
+        with self._cond:
             if self._calls.get(client_id) is call:
                 del self._calls[client_id]
+                self._cond.notify_all()
+
+    def is_latest(self, client_id: str, call: _Call) -> bool:
+        """Whether ``call`` is still the client's call of this kind (no newer one replaced it)."""
+        with self._cond:
+            return self._calls.get(client_id) is call
+
+    def end(self, client_id: str, timeout: float) -> bool:
+        """Cancel the client's call in flight, if any, and wait up to ``timeout`` s for it to leave."""
+        with self._cond:
+            call = self._calls.get(client_id)
+        if call is None:
+            return True
+        call.cancel()
+        with self._cond:
+            return self._cond.wait_for(lambda: self._calls.get(client_id) is not call, timeout)

@@ -459,6 +459,10 @@ class AggregatorSettings(TomlSettings):
     refusal_waiters: int = Field(default=128, ge=0)
     #: Largest PushUpdate payload accepted; unset: 2 × the full model's float32 bytes.
     max_push_bytes: int | None = Field(default=None, gt=0)
+    #: Spool bytes kept of push streams that broke off, so each client's retry sends only the rest (the oldest
+    #: dropped first; each kept an hour at most); unset: what ``max_concurrent_pushes`` pushes may spool at
+    #: once; 0: nothing kept, a broken push is sent again whole.
+    kept_push_bytes: int | None = Field(default=None, ge=0)
     #: Largest sample count a client may declare at Register; a push may claim no more than its client
     #: declared (or this, for a client that declared none), so no client weighs more than it said it would.
     max_client_samples: int = Field(default=10_000_000, gt=0)
@@ -538,6 +542,13 @@ class AggregatorSettings(TomlSettings):
         if self.max_push_bytes is not None:
             return self.max_push_bytes
         return 2 * sum(t.numel * 4 for t in self.federation.spec.tensors)
+
+    @property
+    def kept_push_limit(self) -> int:
+        """Spool bytes kept of broken pushes (``kept_push_bytes`` or its default)."""
+        if self.kept_push_bytes is not None:
+            return self.kept_push_bytes
+        return self.max_concurrent_pushes * self.push_limit
 
 
 class StoreTarget(TomlSettings):

@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 __all__ = [
+    "Aborted",
     "FailedPrecondition",
+    "IncompleteUpdate",
     "InvalidArgument",
     "PermissionDenied",
     "ResourceExhausted",
@@ -48,6 +50,11 @@ class InvalidArgument(ServiceError):
     code = "INVALID_ARGUMENT"
 
 
+class IncompleteUpdate(InvalidArgument):
+    """A push stream that ended before the update did (due tensors or control deltas missing): a client's
+    mistake, or a stream cut at a tensor's end, which the servicer keeps for a resumed push."""
+
+
 class FailedPrecondition(ServiceError):
     """Valid, but not now: stale round, not in the cohort, no tier fits the device."""
 
@@ -64,3 +71,9 @@ class Unavailable(ServiceError):
     """Try again later (shutting down, database busy)."""
 
     code = "UNAVAILABLE"
+
+
+class Aborted(ServiceError):
+    """The call's premise is gone; retry at a higher level (a resumed push whose kept part expired: push it whole)."""
+
+    code = "ABORTED"

@@ -33,9 +33,18 @@ from aggregator_service import request_checks, store
 from aggregator_service.admission import Gate, LatestPerClient
 from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
 from aggregator_service.coordinator import ClientInfo, Coordinator, Done, OpenRound, PushResult, Train, kv
-from aggregator_service.errors import InvalidArgument, ServiceError, Unauthenticated, Unavailable
+from aggregator_service.errors import (
+    Aborted,
+    IncompleteUpdate,
+    InvalidArgument,
+    ServiceError,
+    Unauthenticated,
+    Unavailable,
+)
+from aggregator_service.kept_uploads import KeptUpload, KeptUploads
 from aggregator_service.logfmt import configure_logging
 from aggregator_service.tarpit import Tarpit
+from aggregator_service.validation import check_header
 from fedcore import codec
 from fedcore.tiers import CapabilityProfile
 from fedwire import framing
@@ -55,6 +64,9 @@ MAX_MESSAGE_BYTES = 4 * 2**20 + 64 * 2**10
 # aggregator's memory grow with the number of concurrent pushes (benchmarks/memory.py: 14× the
 # model at 50 resnet18 clients, 3.8× with this). 256 KiB is 20 Mbit/s per push at 100 ms RTT.
 RECEIVE_WINDOW_BYTES = 256 << 10
+# How long a push refused as incomplete waits to learn whether its call was cut (then what arrived is kept
+# for the retry) rather than ended by the client: a cut call is marked over within milliseconds.
+CUT_STREAM_GRACE_SECONDS = 1.0
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -80,6 +92,11 @@ def _handle(context: grpc.ServicerContext, exc: Exception, method: str) -> NoRet
         _abort(context, code, str(exc))
     log.exception(kv("rpc_failed", method=method, error=type(exc).__name__))
     _abort(context, grpc.StatusCode.INTERNAL, f"internal error in {method} ({type(exc).__name__}); see the server log")
+
+
+def _header_key(header: pb.PushHeader) -> tuple[int, int, tuple[tuple[str, float], ...]]:
+    """What a resumed push must repeat of its first attempt's header."""
+    return header.round, header.num_samples, tuple(sorted(header.metrics.items()))
 
 
 def _rpc(fn: _F) -> _F:
@@ -113,6 +130,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self._pushes = Gate(settings.max_concurrent_pushes, push_waiters)
         # a client's push ends its push before: however many it opens, it holds one thread and one slot
         self._client_pushes = LatestPerClient()
+        # what broken push streams delivered, so a retry sends only the rest (GetUploadProgress)
+        self._kept = KeptUploads(settings.kept_push_limit)
         # decoding, validating and storing run on these threads, not the RPC's: the updates in memory are
         # bounded by their number, and so are the thread-local caches numpy and torch keep per thread
         self._decoders = futures.ThreadPoolExecutor(settings.max_pushes_in_memory, thread_name_prefix="decode")
@@ -301,10 +320,16 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             if not isinstance(first, pb.PushMessage) or first.WhichOneof("payload") != "header":
                 raise InvalidArgument("the first PushMessage must carry the PushHeader (round, update_id, num_samples)")
             header = first.header
-            if not self._pushes.enter():
-                raise Unavailable("the aggregator is receiving other clients' updates: retry the push shortly")
+            kept = self._resumed(client, header)
             try:
-                result, complete = self._receive(header, client, request_iterator)
+                if not self._pushes.enter():
+                    raise Unavailable("the aggregator is receiving other clients' updates: retry the push shortly")
+            except BaseException:
+                if kept is not None:
+                    self._kept.keep(client.id, kept)  # refused before a byte: still there for the next try
+                raise
+            try:
+                result, complete = self._receive(header, client, request_iterator, kept, context)
             finally:
                 self._pushes.leave()
         finally:
@@ -315,38 +340,89 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             accepted=result.accepted, duplicate=result.duplicate, round=result.round, message=result.message
         )
 
+    def _resumed(self, client: ClientInfo, header: pb.PushHeader) -> KeptUpload | None:
+        """The kept part of the push a resumed stream continues; a push sent whole drops what was kept."""
+        if not header.resume:
+            self._kept.drop(client.id)
+            return None
+        kept = self._kept.take(client.id, header.update_id)
+        if kept is None:
+            raise Aborted(
+                f"nothing is kept of update {header.update_id!r} (expired, or the aggregator restarted): "
+                "push it whole, without resume"
+            )
+        if _header_key(header) != kept.header:
+            self._kept.keep(client.id, kept)
+            raise InvalidArgument(
+                f"a resumed push repeats its first attempt's round, num_samples and metrics; update "
+                f"{header.update_id!r} was round {kept.header[0]}, num_samples {kept.header[1]}"
+            )
+        return kept
+
+    @_rpc
+    def GetUploadProgress(self, request: pb.UploadProgressRequest, context: grpc.ServicerContext) -> pb.UploadProgress:
+        """Where the client's push of ``update_id`` that broke off resumes; its stream still in flight is ended."""
+        client = self._client(context)
+        check_header(request.update_id, 1, {})
+        # the server may not see a cut link for minutes: the client asks because its stream broke, so end it
+        self._client_pushes.end(client.id, timeout=10.0)
+        kept = self._kept.peek(client.id, request.update_id)
+        if kept is None:
+            return pb.UploadProgress(kept=False)
+        tensors, offset = kept.progress
+        return pb.UploadProgress(kept=True, round=kept.header[0], tensors=tensors, offset=offset)
+
     def _receive(
-        self, header: pb.PushHeader, client: ClientInfo, request_iterator: Iterator[Any]
+        self,
+        header: pb.PushHeader,
+        client: ClientInfo,
+        request_iterator: Iterator[Any],
+        kept: KeptUpload | None,
+        context: grpc.ServicerContext,
     ) -> tuple[PushResult, OpenRound | None]:
         """Receive the update's chunks into spool files (inside the push gate), then decode and store it on a
-        decoding thread (their number bounds the updates in memory); the round it completed, if any."""
+        decoding thread (their number bounds the updates in memory); the round it completed, if any.
+
+        ``kept``: what an earlier stream of this update delivered; this one continues it. A stream that ends
+        under the server leaves what it delivered in :attr:`_kept` for the next one."""
         with contextlib.ExitStack() as files:
 
             def spool() -> Any:
                 return files.enter_context(tempfile.TemporaryFile(prefix="fedatoms-push-", dir=self.spool_dir))
 
-            model = codec.Reassembler(max_total_bytes=self.push_limit, spool=spool(), accepted=self.push_names)
-            control: codec.Reassembler | None = None
-            tensor_bytes: dict[str, int] = {}
-            for msg in request_iterator:
-                for kind, piece in self._chunks(msg):
-                    tensor_bytes[piece.name] = tensor_bytes.get(piece.name, 0) + len(piece.data)
-                    if kind == pb.TENSOR_KIND_MODEL:
-                        if control is not None:
-                            raise InvalidArgument(
-                                f"model tensor {piece.name!r} after control deltas: send model tensors first"
-                            )
-                        model.add(piece)
-                    elif kind == pb.TENSOR_KIND_CONTROL_DELTA:
-                        if control is None:
-                            limit = max(0, self.push_limit - model.bytes_received)
-                            control = codec.Reassembler(max_total_bytes=limit, spool=spool(), accepted=self.push_names)
-                        control.add(piece)
-                    else:
-                        raise InvalidArgument(
-                            f"tensor {piece.name!r}: chunk kind {framing.KIND_NAMES.get(kind, kind)} cannot be "
-                            "pushed; use TENSOR_KIND_MODEL or TENSOR_KIND_CONTROL_DELTA"
+            if kept is not None:
+                files.enter_context(kept.files)  # closed with this stream's files, unless kept again
+                upload = kept
+            else:
+                model = codec.Reassembler(max_total_bytes=self.push_limit, spool=spool(), accepted=self.push_names)
+                upload = KeptUpload(header.update_id, _header_key(header), model, None, {}, contextlib.ExitStack())
+            ended = threading.Event()  # the call is over: cancelled, cut, past its deadline (or answered)
+            if not context.add_callback(ended.set):
+                ended.set()
+
+            def keep() -> None:
+                if self._client_pushes.is_latest(client.id, context):  # not replaced by a newer push
+                    upload.files = files.pop_all()
+                    self._kept.keep(client.id, upload)
+                    tensors, offset = upload.progress
+                    log.info(
+                        kv(
+                            "push_kept",
+                            client=client.id,
+                            update_id=header.update_id,
+                            bytes=upload.bytes_received,
+                            tensors=tensors,
+                            offset=offset,
                         )
+                    )
+
+            try:
+                for msg in request_iterator:
+                    self._add_chunks(upload, msg, spool)
+            except grpc.RpcError:
+                keep()
+                raise
+            model, control, tensor_bytes = upload.model, upload.control, upload.tensor_bytes
             nbytes = model.bytes_received + (control.bytes_received if control is not None else 0)
 
             def decode_and_store() -> tuple[PushResult, OpenRound | None]:
@@ -367,7 +443,34 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 finally:
                     release_free_memory()  # the update's arrays are gone: so are their pages
 
-            return self._decoders.submit(decode_and_store).result()
+            try:
+                return self._decoders.submit(decode_and_store).result()
+            except (codec.CodecError, IncompleteUpdate) as exc:
+                # gRPC may end a request stream that was cut or cancelled as if the client had finished it,
+                # and mark the call over a moment later: an update refused as incomplete is kept if so
+                incomplete = isinstance(exc, IncompleteUpdate) or exc.kind == "truncated"
+                if incomplete and ended.wait(CUT_STREAM_GRACE_SECONDS):
+                    keep()
+                raise
+
+    def _add_chunks(self, upload: KeptUpload, msg: pb.PushMessage | list[framing.Received], spool: Any) -> None:
+        """One message's chunks into the update's reassemblers: model tensors, then control deltas."""
+        for kind, piece in self._chunks(msg):
+            upload.tensor_bytes[piece.name] = upload.tensor_bytes.get(piece.name, 0) + len(piece.data)
+            if kind == pb.TENSOR_KIND_MODEL:
+                if upload.control is not None:
+                    raise InvalidArgument(f"model tensor {piece.name!r} after control deltas: send model tensors first")
+                upload.model.add(piece)
+            elif kind == pb.TENSOR_KIND_CONTROL_DELTA:
+                if upload.control is None:
+                    limit = max(0, self.push_limit - upload.model.bytes_received)
+                    upload.control = codec.Reassembler(max_total_bytes=limit, spool=spool(), accepted=self.push_names)
+                upload.control.add(piece)
+            else:
+                raise InvalidArgument(
+                    f"tensor {piece.name!r}: chunk kind {framing.KIND_NAMES.get(kind, kind)} cannot be "
+                    "pushed; use TENSOR_KIND_MODEL or TENSOR_KIND_CONTROL_DELTA"
+                )
 
     @staticmethod
     def _chunks(msg: pb.PushMessage | list[framing.Received]) -> list[framing.Received]:

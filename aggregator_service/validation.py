@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from aggregator_service.errors import InvalidArgument
+from aggregator_service.errors import IncompleteUpdate, InvalidArgument
 from fedcore.codec import all_finite
 from fedcore.spec import ModelSpec, TensorSpec
 
@@ -89,7 +89,7 @@ def check_tensors(
             )
     missing = [n for n in due if n not in tensors]
     if missing:
-        raise InvalidArgument(
+        raise IncompleteUpdate(
             f"missing due tensor(s) {', '.join(repr(n) for n in missing[:5])}"
             f"{' …' if len(missing) > 5 else ''} for round {round_}: push every name in the task's due_tensors"
         )
@@ -97,7 +97,7 @@ def check_tensors(
 
     if not control_delta:
         if scaffold:
-            raise InvalidArgument(
+            raise IncompleteUpdate(
                 "SCAFFOLD needs the control deltas Δc of local training (TENSOR_KIND_CONTROL_DELTA chunks)"
             )
         return clean, None

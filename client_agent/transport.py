@@ -8,8 +8,9 @@ the same ``update_id``, so the server stores it once however often the link drop
 
 A slow link must not turn a transfer into an endless retry: a stream's deadline grows with its
 bytes (:attr:`AggregatorClient.min_link_bytes_per_second`), keepalive pings find a dead link
-long before that, and a fetch cut midway keeps the tensors it completed, so its retry asks only
-for the rest. A stop (SIGTERM, SIGINT) cancels the call in flight and the wait between retries.
+long before that, a fetch cut midway keeps the tensors it completed, so its retry asks only
+for the rest, and a push cut midway resumes where the server holds it. A stop (SIGTERM, SIGINT)
+cancels the call in flight and the wait between retries.
 """
 
 from __future__ import annotations
@@ -491,7 +492,10 @@ class AggregatorClient:
         *,
         fp16: bool = False,
     ) -> pb.PushReply:
-        """Stream one update; a retry rebuilds the stream with the same ``update_id`` (stored once)."""
+        """Stream one update; a retry rebuilds the stream with the same ``update_id`` (stored once).
+
+        A retry first asks what the server kept of the broken stream (``GetUploadProgress``) and sends
+        only the rest; where nothing was kept (or the server predates resuming) it sends the update whole."""
 
         header = pb.PushHeader(
             round=round_,
@@ -505,8 +509,13 @@ class AggregatorClient:
         ]
         nbytes = sum(t.numel() * (2 if fp16 and t.is_floating_point() else t.element_size()) for _, t, _, _ in tensors_)
 
+        attempts = [0]
+
         def once() -> pb.PushReply:
-            messages = framing.push_messages(header, tensors_, fp16=fp16)
+            start = self._upload_progress(update_id, round_) if attempts[0] else (0, 0)
+            attempts[0] += 1
+            header.resume = start != (0, 0)
+            messages = framing.push_messages(header, tensors_, fp16=fp16, start=start)
             timeout = self._transfer_timeout(nbytes)
             if self.stop is None:
                 return self._push_update(messages, metadata=self._auth, timeout=timeout)
@@ -517,6 +526,19 @@ class AggregatorClient:
                 self._untrack(future)
 
         return self._call("PushUpdate", once)
+
+    def _upload_progress(self, update_id: str, round_: int) -> tuple[int, int]:
+        """Where a retried push starts: (tensors the server holds whole, bytes of the next); (0, 0) for all."""
+        request = pb.UploadProgressRequest(update_id=update_id)
+        try:
+            progress = self._unary(self.stub.GetUploadProgress, request, metadata=self._auth, timeout=self.rpc_timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
+                return 0, 0  # an aggregator from before resumable pushes
+            raise  # _call retries it as the push it belongs to
+        if not progress.kept or progress.round != round_:
+            return 0, 0
+        return progress.tensors, progress.offset
 
     @staticmethod
     def evaluation(

@@ -237,12 +237,19 @@ def decode(
     return wire.astype(DTYPES[target].newbyteorder("="), copy=copy or not wire.flags.writeable)
 
 
-def iter_chunks(name: str, encoded: EncodedTensor, version: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
-    """Cut one encoded tensor into chunks of at most ``chunk_bytes``; a zero-size tensor is one empty chunk."""
+def iter_chunks(
+    name: str, encoded: EncodedTensor, version: int = 0, chunk_bytes: int = CHUNK_BYTES, start: int = 0
+) -> Iterator[Chunk]:
+    """Cut one encoded tensor into chunks of at most ``chunk_bytes``; a zero-size tensor is one empty chunk.
+
+    ``start``: the first chunk's offset (a resumed stream sends the rest of a tensor the receiver holds in part).
+    """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be ≥ 1, got {chunk_bytes}")
     data, total = encoded.data, len(encoded.data)
-    offset = 0
+    if not 0 <= start < max(total, 1):
+        raise ValueError(f"start must be in [0, {total}) for {name!r}, got {start}")
+    offset = start
     while True:
         piece = data[offset : offset + chunk_bytes]
         yield Chunk(name, encoded.dtype, encoded.shape, version, offset, piece, total)
@@ -329,6 +336,14 @@ class Reassembler:
     def names(self) -> tuple[str, ...]:
         """Tensor names seen so far, in arrival order (the last one may be incomplete)."""
         return tuple(self._done) + ((self._current.name,) if self._current is not None else ())
+
+    @property
+    def progress(self) -> tuple[int, int]:
+        """Where a stream that broke off resumes: (tensors received whole, bytes received of the next one)."""
+        cur = self._current
+        if cur is None:
+            return len(self._done), 0
+        return (len(self._done) + 1, 0) if cur.complete else (len(self._done), cur.filled)
 
     def add(self, chunk: Chunk) -> None:
         cur = self._current

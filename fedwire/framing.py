@@ -247,14 +247,22 @@ def push_messages(
     tensors: Iterable[tuple[str, Any, int, int]],
     *,
     fp16: bool = False,
+    start: tuple[int, int] = (0, 0),
 ) -> Iterator[bytes]:
-    """A PushUpdate stream, serialized: the header, then ``(name, tensor, version, kind)`` packed in batches."""
+    """A PushUpdate stream, serialized: the header, then ``(name, tensor, version, kind)`` packed in batches.
+
+    ``start``: a resumed push's (tensors the server holds whole, bytes it holds of the next), as
+    ``UploadProgress`` gives them: the stream begins there.
+    """
     yield pb.PushMessage(header=header).SerializeToString()
+    skip, offset = start
 
     def entries() -> Iterator[tuple[bytes, int, str]]:
-        for name, tensor, version, kind in tensors:
+        for i, (name, tensor, version, kind) in enumerate(tensors):
+            if i < skip:
+                continue
             encoded = codec.encode(tensor, fp16=fp16, name=name)
-            for chunk in codec.iter_chunks(name, encoded, version=version):
+            for chunk in codec.iter_chunks(name, encoded, version=version, start=offset if i == skip else 0):
                 yield batch_entry(chunk, kind), len(chunk.data), name
 
     key = _key(_PUSH_CHUNKS)

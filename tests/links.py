@@ -13,7 +13,7 @@ class LinkProxy:
     - ``rate``: bytes per second each way (None: as fast as loopback); ``up_rate``: client→server only;
     - ``cut_after`` client→server bytes: the connection is dropped there, once, while :attr:`armed`;
     - ``cut_down_after`` server→client bytes: every connection is dropped there (a link that keeps
-      failing midway through a download).
+      failing midway through a download); ``cut_up_after`` client→server bytes: the same for uploads.
     """
 
     def __init__(
@@ -24,9 +24,10 @@ class LinkProxy:
         up_rate: float | None = None,
         cut_after: int | None = None,
         cut_down_after: int | None = None,
+        cut_up_after: int | None = None,
     ) -> None:
         self.upstream, self.rate, self.up_rate = upstream, rate, up_rate
-        self.cut_after, self.cut_down_after = cut_after, cut_down_after
+        self.cut_after, self.cut_down_after, self.cut_up_after = cut_after, cut_down_after, cut_up_after
         self.armed = False
         self.cuts = 0
         self.connections = 0
@@ -58,11 +59,15 @@ class LinkProxy:
         rate = self.up_rate if upstream and self.up_rate is not None else self.rate
         block = 65536 if rate is None else max(1, min(65536, int(rate / 20)))
         try:
+            every = self.cut_up_after if upstream else self.cut_down_after
             while data := src.recv(block):
-                if not upstream and self.cut_down_after is not None and sent + len(data) > self.cut_down_after:
-                    data = data[: self.cut_down_after - sent]
+                if every is not None and sent + len(data) > every:
+                    data = data[: every - sent]
                     dst.sendall(data)
-                    self.down_bytes += len(data)
+                    if upstream:
+                        self.up_bytes += len(data)
+                    else:
+                        self.down_bytes += len(data)
                     self.cuts += 1
                     break
                 dst.sendall(data)

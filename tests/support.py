@@ -15,8 +15,10 @@ import socket
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import sqlalchemy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -100,3 +102,29 @@ def postgres_base() -> str:
 def chromium() -> str | None:
     """Debian's Chromium, else a ``chromium`` on PATH; ``None`` when neither exists."""
     return CHROMIUM_DEFAULT if os.path.exists(CHROMIUM_DEFAULT) else shutil.which("chromium")
+
+
+def spool_files(spool: Path) -> list[int]:
+    """Sizes of this process's open files in ``spool`` (all unlinked)."""
+    sizes = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(spool)):
+                assert target.endswith("(deleted)"), target  # unlinked at once: a crash leaves nothing
+                sizes.append(os.stat(f"/proc/self/fd/{fd}").st_size)
+        except FileNotFoundError:  # closed meanwhile
+            continue
+    return sizes
+
+
+def stored_update(url: str, round_: int) -> dict[str, np.ndarray]:
+    """The one update stored for ``round_`` of the default federation, as the database holds it."""
+    engine = store.create_engine_for(url)
+    try:
+        with store.session_factory(engine)() as s, s.begin():
+            fed = store.get_federation(s, "default")
+            ((_, tensors, _),) = list(store.iter_round_updates(s, fed, round_))
+            return tensors
+    finally:
+        engine.dispose()

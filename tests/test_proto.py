@@ -152,6 +152,9 @@ def representative_messages() -> list[Message]:
             round=12, global_accuracy=0.61, global_loss=1.12, personalized_accuracy=0.74, num_samples=300
         ),
         pb.EvaluationReply(recorded=True),
+        pb.PushHeader(round=12, update_id="u-1", num_samples=1, metrics={}, resume=True),
+        pb.UploadProgressRequest(update_id="u-1"),
+        pb.UploadProgress(kept=True, round=12, tensors=3, offset=4096),
     ]
 
 
@@ -256,11 +259,12 @@ EXPECTED_RPCS = {
     "GetTask": ("GetTaskRequest", "Task", False, False),
     "FetchModel": ("FetchRequest", "TensorChunkBatch", False, True),
     "PushUpdate": ("PushMessage", "PushReply", True, False),
+    "GetUploadProgress": ("UploadProgressRequest", "UploadProgress", False, False),
     "ReportEvaluation": ("EvaluationReport", "EvaluationReply", False, False),
 }
 
 
-def test_service_has_exactly_the_six_rpcs() -> None:
+def test_service_has_exactly_the_seven_rpcs() -> None:
     service = pb.DESCRIPTOR.services_by_name["Aggregator"]
     assert service.full_name == "fedatoms.v1.Aggregator"
     assert list(pb.DESCRIPTOR.services_by_name) == ["Aggregator"]

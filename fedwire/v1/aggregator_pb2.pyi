@@ -197,7 +197,7 @@ class PushMessage(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ..., chunks: _Optional[_Union[TensorChunkBatch, _Mapping]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("round", "update_id", "num_samples", "metrics")
+    __slots__ = ("round", "update_id", "num_samples", "metrics", "resume")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -209,11 +209,13 @@ class PushHeader(_message.Message):
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     round: int
     update_id: str
     num_samples: int
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, round: _Optional[int] = ..., update_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    resume: bool
+    def __init__(self, round: _Optional[int] = ..., update_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "duplicate", "round", "message")
@@ -226,6 +228,24 @@ class PushReply(_message.Message):
     round: int
     message: str
     def __init__(self, accepted: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., round: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class UploadProgressRequest(_message.Message):
+    __slots__ = ("update_id",)
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    def __init__(self, update_id: _Optional[str] = ...) -> None: ...
+
+class UploadProgress(_message.Message):
+    __slots__ = ("kept", "round", "tensors", "offset")
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    kept: bool
+    round: int
+    tensors: int
+    offset: int
+    def __init__(self, kept: _Optional[bool] = ..., round: _Optional[int] = ..., tensors: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class EvaluationReport(_message.Message):
     __slots__ = ("round", "global_accuracy", "global_loss", "personalized_accuracy", "num_samples")

@@ -60,6 +60,11 @@ class AggregatorStub:
                 request_serializer=fedatoms_dot_v1_dot_aggregator__pb2.PushMessage.SerializeToString,
                 response_deserializer=fedatoms_dot_v1_dot_aggregator__pb2.PushReply.FromString,
                 _registered_method=True)
+        self.GetUploadProgress = channel.unary_unary(
+                '/fedatoms.v1.Aggregator/GetUploadProgress',
+                request_serializer=fedatoms_dot_v1_dot_aggregator__pb2.UploadProgressRequest.SerializeToString,
+                response_deserializer=fedatoms_dot_v1_dot_aggregator__pb2.UploadProgress.FromString,
+                _registered_method=True)
         self.ReportEvaluation = channel.unary_unary(
                 '/fedatoms.v1.Aggregator/ReportEvaluation',
                 request_serializer=fedatoms_dot_v1_dot_aggregator__pb2.EvaluationReport.SerializeToString,
@@ -116,6 +121,15 @@ class AggregatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetUploadProgress(self, request, context):
+        """What the server kept of this client's push with the given update_id that broke off
+        (a cut link, a deadline): a retry then sends only the rest, with PushHeader.resume set.
+        Ends the client's push still in flight, if any, first: a client asks after its stream broke.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReportEvaluation(self, request, context):
         """Records how the current global (and personalized) model does on the client's local
         test data, for the dashboard.
@@ -151,6 +165,11 @@ def add_AggregatorServicer_to_server(servicer, server):
                     servicer.PushUpdate,
                     request_deserializer=fedatoms_dot_v1_dot_aggregator__pb2.PushMessage.FromString,
                     response_serializer=fedatoms_dot_v1_dot_aggregator__pb2.PushReply.SerializeToString,
+            ),
+            'GetUploadProgress': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetUploadProgress,
+                    request_deserializer=fedatoms_dot_v1_dot_aggregator__pb2.UploadProgressRequest.FromString,
+                    response_serializer=fedatoms_dot_v1_dot_aggregator__pb2.UploadProgress.SerializeToString,
             ),
             'ReportEvaluation': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportEvaluation,
@@ -294,6 +313,33 @@ class Aggregator:
             '/fedatoms.v1.Aggregator/PushUpdate',
             fedatoms_dot_v1_dot_aggregator__pb2.PushMessage.SerializeToString,
             fedatoms_dot_v1_dot_aggregator__pb2.PushReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetUploadProgress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fedatoms.v1.Aggregator/GetUploadProgress',
+            fedatoms_dot_v1_dot_aggregator__pb2.UploadProgressRequest.SerializeToString,
+            fedatoms_dot_v1_dot_aggregator__pb2.UploadProgress.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,24 +17,11 @@ import numpy as np
 import pytest
 from grpc_helpers import register, shards, small_federation
 from pydantic import ValidationError
+from support import spool_files, stored_update
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings
 from fedwire.v1 import aggregator_pb2 as pb
-
-
-def _spool_files(spool: Path) -> list[int]:
-    """Sizes of this process's open files in ``spool`` (all unlinked)."""
-    sizes = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith(str(spool)):
-                assert target.endswith("(deleted)"), target  # unlinked at once: a crash leaves nothing
-                sizes.append(os.stat(f"/proc/self/fd/{fd}").st_size)
-        except FileNotFoundError:  # closed meanwhile
-            continue
-    return sizes
 
 
 def _wait_for(predicate, what: str, timeout: float = 30.0):
@@ -77,7 +64,7 @@ def _half_sent_push_is_in_a_spool_file(start_service, url: str, tmp_path: Path) 
     pusher = threading.Thread(target=lambda: replies.append(service.stub.PushUpdate(messages(), metadata=a.auth)))
     pusher.start()
     try:
-        sizes = _wait_for(lambda: (s := _spool_files(spool)) and s == [sent_first] and s, "the first half spooled")
+        sizes = _wait_for(lambda: (s := spool_files(spool)) and s == [sent_first] and s, "the first half spooled")
         assert sizes == [sent_first]
         assert os.listdir(spool) == []  # no name: nothing to clean up after a crash
         with store.session_factory(store.create_engine_for(url))() as s:
@@ -86,23 +73,12 @@ def _half_sent_push_is_in_a_spool_file(start_service, url: str, tmp_path: Path) 
         go_on.set()
         pusher.join(60)
     assert replies and replies[0].accepted and not replies[0].duplicate
-    _wait_for(lambda: _spool_files(spool) == [] or None, "the spool file closed")
+    _wait_for(lambda: spool_files(spool) == [] or None, "the spool file closed")
     service.stop()
-    stored = _stored_update(url, task.train.round)
+    stored = stored_update(url, task.train.round)
     for name, tensor in push.tensors.items():
         np.testing.assert_array_equal(stored[name], tensor.numpy())
     assert set(stored) == set(push.tensors)
-
-
-def _stored_update(url: str, round_: int) -> dict[str, np.ndarray]:
-    engine = store.create_engine_for(url)
-    try:
-        with store.session_factory(engine)() as s, s.begin():
-            fed = store.get_federation(s, "default")
-            ((_, tensors, _),) = list(store.iter_round_updates(s, fed, round_))
-            return tensors
-    finally:
-        engine.dispose()
 
 
 def test_a_half_sent_push_is_in_a_spool_file_sqlite(start_service, sqlite_url, tmp_path) -> None:

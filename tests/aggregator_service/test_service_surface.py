@@ -46,6 +46,7 @@ METHODS = {
     "GetTask": (False, False, "GetTaskRequest", "Task"),
     "FetchModel": (False, True, "FetchRequest", "TensorChunkBatch"),
     "PushUpdate": (True, False, "PushMessage", "PushReply"),
+    "GetUploadProgress": (False, False, "UploadProgressRequest", "UploadProgress"),
     "ReportEvaluation": (False, False, "EvaluationReport", "EvaluationReply"),
 }
 

@@ -12,10 +12,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from links import LinkProxy
 from processes import ENV, ROOT, SECRET, free_port, wait_for
+from support import stored_update
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
@@ -112,6 +114,42 @@ def test_a_download_cut_again_and_again_resumes_with_the_tensors_it_completed(tm
         assert torch.equal(fetched.model[name][0], tensor) and fetched.model[name][1] == version, name
     # a 0-d buffer (BatchNorm's num_batches_tracked) came through as what it is
     assert any(t.dim() == 0 for t, _ in fetched.model.values())
+
+
+def test_an_upload_cut_again_and_again_resumes_where_the_server_holds_it(tmp_path: Path) -> None:
+    """Every connection drops after 16 MB up, and ResNet-18's update is 45 MB: a push restarted from byte 0
+    never ends; resumed where the server holds it (GetUploadProgress), it is stored in a few attempts, as sent."""
+    with aggregator(tmp_path, "resnet18") as port:
+        proxy = LinkProxy(port, cut_up_after=16 * 2**20)
+        retries: list[float] = []
+        cut = AggregatorClient(proxy.target, backoff=Backoff(base=0.05, max_elapsed=60), sleep=retries.append)
+        direct = AggregatorClient(f"127.0.0.1:{port}")
+        try:
+            direct.register(CapabilityProfile(num_samples=100), SECRET)  # a second member keeps round 1 open
+            _, spec = direct.register(CapabilityProfile(num_samples=100), SECRET)
+            cut.token = direct.token
+            task = direct.get_task()
+            fetched = direct.fetch(spec, {}, round_=task.train.round)
+            generator = torch.Generator().manual_seed(0)
+            update = {
+                name: t + 0.01 * torch.randn(t.shape, generator=generator) if t.is_floating_point() else t
+                for name, (t, _) in fetched.model.items()
+            }
+            reply = cut.push(task.train.round, "u-cut", 100, {"train_loss": 0.5}, update)
+        finally:
+            cut.close()
+            direct.close()
+            proxy.close()
+        total = sum(t.numel() * t.element_size() for t in update.values())
+        assert reply.accepted and not reply.duplicate
+        # a cut can break the next connection's first write too: a retry more than the cuts, losing nothing
+        assert total > 40 * 2**20 and proxy.cuts >= 2 and proxy.cuts <= len(retries) <= 2 * proxy.cuts
+        # each broken attempt loses at most what was in flight past the server's last whole message
+        assert proxy.up_bytes < total + len(retries) * 2 * 2**20
+        stored = stored_update(f"sqlite:///{tmp_path / 'agg.db'}", task.train.round)
+    assert stored.keys() == update.keys()
+    for name, tensor in update.items():
+        np.testing.assert_array_equal(stored[name], tensor.numpy(), err_msg=name)
 
 
 @pytest.mark.parametrize("link", ["refused", "silent"])

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fedcore import codec
 from fedcore.codec import (
     CHUNK_BYTES,
     DTYPES,
@@ -595,3 +596,42 @@ def test_a_spooled_stream_refuses_what_an_in_memory_one_does(tmp_path) -> None:
             r.add(chunks[2])
         with _raises("a", "truncated"):
             r.finish()
+
+
+# --------------------------------------------------------------------------- resuming a stream
+
+
+def test_progress_names_where_a_broken_stream_resumes() -> None:
+    """Hand cases: nothing, part of the first tensor, a tensor just completed, a zero-size one, part of the next."""
+    a = codec.encode(np.arange(10, dtype=np.float32), name="a")  # 40 bytes
+    empty = codec.encode(np.zeros((0, 3), dtype=np.float32), name="empty")
+    b = codec.encode(np.arange(6, dtype=np.int64), name="b")  # 48 bytes
+    r = codec.Reassembler()
+    assert r.progress == (0, 0)
+    chunks_a = list(codec.iter_chunks("a", a, chunk_bytes=16))  # 16 + 16 + 8
+    r.add(chunks_a[0])
+    assert r.progress == (0, 16)
+    r.add(chunks_a[1])
+    r.add(chunks_a[2])
+    assert r.progress == (1, 0)
+    r.add(next(codec.iter_chunks("empty", empty)))
+    assert r.progress == (2, 0)
+    r.add(next(codec.iter_chunks("b", b, chunk_bytes=40)))
+    assert r.progress == (2, 40)
+    # the rest, sent from the offset progress names, completes the same arrays
+    for chunk in codec.iter_chunks("b", b, start=40):
+        r.add(chunk)
+    assert r.progress == (3, 0)
+    out = r.finish()
+    np.testing.assert_array_equal(out["a"], np.arange(10, dtype=np.float32))
+    assert out["empty"].shape == (0, 3)
+    np.testing.assert_array_equal(out["b"], np.arange(6, dtype=np.int64))
+
+
+def test_iter_chunks_from_an_offset() -> None:
+    enc = codec.encode(np.arange(5, dtype=np.float32), name="x")  # 20 bytes
+    assert [(c.offset, len(c.data)) for c in codec.iter_chunks("x", enc, chunk_bytes=8, start=12)] == [(12, 8)]
+    assert [(c.offset, len(c.data)) for c in codec.iter_chunks("x", enc, chunk_bytes=8, start=4)] == [(4, 8), (12, 8)]
+    for bad in (-1, 20, 25):
+        with pytest.raises(ValueError, match=r"start must be in \[0, 20\)"):
+            list(codec.iter_chunks("x", enc, start=bad))

@@ -1,0 +1,181 @@
+"""A push that breaks off resumes where the server holds it (GetUploadProgress, PushHeader.resume).
+
+The server keeps a broken stream's spool files; the client asks where to start and sends only the
+rest. Hand-built streams stop at a known place (whole tensors, then half of one), so the progress the
+server reports is known exactly; the update stored at the end must equal what was sent, counted once
+in the bandwidth ledger.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_helpers import register, shards, small_federation
+from pydantic import ValidationError
+from sqlalchemy import func, select
+from support import spool_files, stored_update, wait_until
+
+from aggregator_service import store
+from aggregator_service.config import AggregatorSettings
+from aggregator_service.store.models import Transfer
+from fedcore import codec
+from fedwire import framing
+from fedwire.v1 import aggregator_pb2 as pb
+
+BACKENDS = ["sqlite", "postgres"]
+
+
+def _url(request: pytest.FixtureRequest, backend: str) -> str:
+    return request.getfixturevalue(f"{backend}_url")
+
+
+def _setup(start_service, url: str, tmp_path: Path, **settings):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    service = start_service(url, small_federation(min_clients=2), spool_dir=spool, **settings)
+    a, _ = (register(service.stub, 1.0, d) for d in shards(2))  # a second member keeps the round open
+    task = a.task()
+    a.fetch()
+    return service, a, task, a.train(task), spool
+
+
+def _break_off(
+    service, a, header: pb.PushHeader, tensors: list[tuple[str, object]], spool: Path, cut: int, part: bool = True
+):
+    """Send the header, the first ``cut`` tensors whole and (``part``) half of the next; wait until the server
+    holds exactly that; then ask for the progress (which ends the stalled stream).
+    Returns (progress, bytes held, bytes of the next tensor sent)."""
+    encoded = [(n, codec.encode(t, name=n)) for n, t in tensors]
+    half = len(encoded[cut][1].data) // 2 if part else 0
+    stall = threading.Event()
+
+    def messages():
+        yield pb.PushMessage(header=header)
+        for name, enc in encoded[:cut]:
+            for chunk in codec.iter_chunks(name, enc):
+                yield pb.PushMessage(chunk=framing.from_chunk(chunk, pb.TENSOR_KIND_MODEL))
+        if half:
+            name, enc = encoded[cut]
+            first = next(codec.iter_chunks(name, enc, chunk_bytes=half))
+            yield pb.PushMessage(chunk=framing.from_chunk(first, pb.TENSOR_KIND_MODEL))
+        stall.wait(60)  # a link gone quiet: the server sees no end
+
+    held = sum(len(e.data) for _, e in encoded[:cut]) + half
+    call = service.stub.PushUpdate.future(messages(), metadata=a.auth)
+    try:
+        assert wait_until(lambda: spool_files(spool) == [held], 30), "the server holds the first tensors and a half"
+        progress = service.stub.GetUploadProgress(pb.UploadProgressRequest(update_id=header.update_id), metadata=a.auth)
+        with pytest.raises(grpc.FutureCancelledError if call.cancelled() else grpc.RpcError) as info:
+            call.result(timeout=30)
+        if isinstance(info.value, grpc.RpcError):
+            assert info.value.code() == grpc.StatusCode.CANCELLED  # the server ended the stalled stream
+    finally:
+        stall.set()
+    return progress, held, half
+
+
+def _pushed_bytes(url: str, round_: int) -> int:
+    engine = store.create_engine_for(url)
+    try:
+        with store.session_factory(engine)() as s:
+            query = select(func.sum(Transfer.bytes)).where(Transfer.round == round_, Transfer.category == "push")
+            return int(s.execute(query).scalar_one() or 0)
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_push_cut_midway_resumes_where_the_server_holds_it(start_service, request, backend, tmp_path) -> None:
+    url = _url(request, backend)
+    service, a, task, push, spool = _setup(start_service, url, tmp_path)
+    tensors = list(push.tensors.items())
+    cut = max(range(len(tensors)), key=lambda i: tensors[i][1].numel())  # half of the largest tensor
+    header = pb.PushHeader(round=task.train.round, update_id="resume-1", num_samples=push.num_samples)
+
+    progress, held, half = _break_off(service, a, header, tensors, spool, cut)
+    assert (progress.kept, progress.round, progress.tensors, progress.offset) == (True, task.train.round, cut, half)
+    assert spool_files(spool) == [held]  # kept, not closed
+
+    header.resume = True
+    reply = framing.push_update(service.channel)(
+        framing.push_messages(header, [(n, t, 0, pb.TENSOR_KIND_MODEL) for n, t in tensors], start=(cut, half)),
+        metadata=a.auth,
+    )
+    assert reply.accepted and not reply.duplicate and reply.round == task.train.round
+    assert wait_until(lambda: spool_files(spool) == [], 30), "the kept spool file closed"
+    gone = service.stub.GetUploadProgress(pb.UploadProgressRequest(update_id="resume-1"), metadata=a.auth)
+    assert not gone.kept
+    service.stop()
+    stored = stored_update(url, task.train.round)
+    assert set(stored) == set(push.tensors)
+    for name, tensor in push.tensors.items():
+        np.testing.assert_array_equal(stored[name], tensor.numpy())
+    # the ledger counts the update's bytes once: half a tensor sent, then the rest
+    assert _pushed_bytes(url, task.train.round) == sum(t.numel() * t.element_size() for _, t in tensors)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_refusals_are_clear_and_change_nothing(start_service, request, backend, tmp_path) -> None:
+    url = _url(request, backend)
+    service, a, task, push, spool = _setup(start_service, url, tmp_path)
+    tensors = list(push.tensors.items())
+    entries = [(n, t, 0, pb.TENSOR_KIND_MODEL) for n, t in tensors]
+    progress_of = lambda update_id: service.stub.GetUploadProgress(  # noqa: E731
+        pb.UploadProgressRequest(update_id=update_id), metadata=a.auth
+    )
+
+    # nothing kept: ABORTED, which the client retries by pushing whole
+    header = pb.PushHeader(round=task.train.round, update_id="never-sent", num_samples=push.num_samples, resume=True)
+    with pytest.raises(grpc.RpcError) as info:
+        framing.push_update(service.channel)(framing.push_messages(header, entries, start=(1, 0)), metadata=a.auth)
+    assert info.value.code() == grpc.StatusCode.ABORTED
+    assert "nothing is kept of update 'never-sent'" in info.value.details()
+    assert not progress_of("never-sent").kept
+
+    # a malformed update_id, and no token: the usual refusals
+    with pytest.raises(grpc.RpcError) as info:
+        progress_of("has space")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "update_id" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        service.stub.GetUploadProgress(pb.UploadProgressRequest(update_id="x"))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    # a stream broken where a tensor ends is kept too; a resume that changes the header is refused, and
+    # what was kept stays
+    header = pb.PushHeader(round=task.train.round, update_id="resume-2", num_samples=push.num_samples)
+    progress, _, _ = _break_off(service, a, header, tensors, spool, 2, part=False)
+    assert (progress.kept, progress.tensors, progress.offset) == (True, 2, 0)
+    changed = pb.PushHeader(round=task.train.round, update_id="resume-2", num_samples=push.num_samples + 1, resume=True)
+    with pytest.raises(grpc.RpcError) as info:
+        framing.push_update(service.channel)(framing.push_messages(changed, entries, start=(2, 0)), metadata=a.auth)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "repeats its first attempt's round, num_samples and metrics" in info.value.details()
+    again = progress_of("resume-2")
+    assert (again.kept, again.tensors, again.offset) == (True, 2, 0)
+
+    # another client cannot see or continue it
+    b, _ = (register(service.stub, 1.0, d) for d in shards(2))
+    assert not service.stub.GetUploadProgress(pb.UploadProgressRequest(update_id="resume-2"), metadata=b.auth).kept
+
+    # the same update pushed whole drops what was kept, and is stored once
+    header.ClearField("resume")
+    reply = framing.push_update(service.channel)(framing.push_messages(header, entries), metadata=a.auth)
+    assert reply.accepted and not reply.duplicate
+    assert not progress_of("resume-2").kept
+    assert wait_until(lambda: spool_files(spool) == [], 30), "the kept spool file closed"
+    with store.session_factory(store.create_engine_for(url))() as s:
+        assert store.count_updates(s, store.get_federation(s, "default"), task.train.round) == 1
+
+
+def test_kept_push_bytes_zero_keeps_nothing(start_service, sqlite_url, tmp_path) -> None:
+    service, a, task, push, spool = _setup(start_service, sqlite_url, tmp_path, kept_push_bytes=0)
+    header = pb.PushHeader(round=task.train.round, update_id="not-kept", num_samples=push.num_samples)
+    progress, _, _ = _break_off(service, a, header, list(push.tensors.items()), spool, 1)
+    assert not progress.kept
+    assert wait_until(lambda: spool_files(spool) == [], 30), "the broken push's spool file closed"
+    with pytest.raises(ValidationError, match="kept_push_bytes"):
+        AggregatorSettings(kept_push_bytes=-1)
