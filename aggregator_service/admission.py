@@ -11,6 +11,7 @@ streams and sends nothing holds one thread and one slot, not all of them.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, Protocol
 
 __all__ = ["Gate", "LatestPerClient"]
@@ -78,10 +79,14 @@ class LatestPerClient:
                 del self._calls[client_id]
                 self._cond.notify_all()
 
-    def is_latest(self, client_id: str, call: _Call) -> bool:
-        """Whether ``call`` is still the client's call of this kind (no newer one replaced it)."""
+    def if_latest(self, client_id: str, call: _Call, action: Callable[[], None]) -> bool:
+        """Run ``action`` if ``call`` is still the client's call of this kind (no newer one replaced it), with
+        no newer call able to enter meanwhile; whether it ran."""
         with self._cond:
-            return self._calls.get(client_id) is call
+            if self._calls.get(client_id) is not call:
+                return False
+            action()
+            return True
 
     def end(self, client_id: str, timeout: float) -> bool:
         """Cancel the client's call in flight, if any, and wait up to ``timeout`` s for it to leave."""

@@ -460,7 +460,7 @@ class AggregatorSettings(TomlSettings):
     #: Largest PushUpdate payload accepted; unset: 2 × the full model's float32 bytes.
     max_push_bytes: int | None = Field(default=None, gt=0)
     #: Spool bytes kept of push streams that broke off, so each client's retry sends only the rest (the oldest
-    #: dropped first; each kept an hour at most); unset: what ``max_concurrent_pushes`` pushes may spool at
+    #: dropped first; each resumable for an hour); unset: what ``max_concurrent_pushes`` pushes may spool at
     #: once; 0: nothing kept, a broken push is sent again whole.
     kept_push_bytes: int | None = Field(default=None, ge=0)
     #: Largest sample count a client may declare at Register; a push may claim no more than its client

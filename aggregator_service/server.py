@@ -94,6 +94,10 @@ def _handle(context: grpc.ServicerContext, exc: Exception, method: str) -> NoRet
     _abort(context, grpc.StatusCode.INTERNAL, f"internal error in {method} ({type(exc).__name__}); see the server log")
 
 
+class _CutStream(Exception):
+    """A push stream that gRPC ended as finished, on a call that was in fact cut or cancelled."""
+
+
 def _header_key(header: pb.PushHeader) -> tuple[int, int, tuple[tuple[str, float], ...]]:
     """What a resumed push must repeat of its first attempt's header."""
     return header.round, header.num_samples, tuple(sorted(header.metrics.items()))
@@ -320,15 +324,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             if not isinstance(first, pb.PushMessage) or first.WhichOneof("payload") != "header":
                 raise InvalidArgument("the first PushMessage must carry the PushHeader (round, update_id, num_samples)")
             header = first.header
-            kept = self._resumed(client, header)
+            if not self._pushes.enter():
+                raise Unavailable("the aggregator is receiving other clients' updates: retry the push shortly")
             try:
-                if not self._pushes.enter():
-                    raise Unavailable("the aggregator is receiving other clients' updates: retry the push shortly")
-            except BaseException:
-                if kept is not None:
-                    self._kept.keep(client.id, kept)  # refused before a byte: still there for the next try
-                raise
-            try:
+                # taken only once inside the gate: a resume waiting in line leaves it for GetUploadProgress
+                kept = self._resumed(client, header)
                 result, complete = self._receive(header, client, request_iterator, kept, context)
             finally:
                 self._pushes.leave()
@@ -348,11 +348,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         kept = self._kept.take(client.id, header.update_id)
         if kept is None:
             raise Aborted(
-                f"nothing is kept of update {header.update_id!r} (expired, or the aggregator restarted): "
-                "push it whole, without resume"
+                f"nothing is kept of update {header.update_id!r} (expired, dropped for room, or the aggregator "
+                "restarted): push it whole, without resume"
             )
         if _header_key(header) != kept.header:
-            self._kept.keep(client.id, kept)
+            self._kept.keep(client.id, kept, refresh=False)
             raise InvalidArgument(
                 f"a resumed push repeats its first attempt's round, num_samples and metrics; update "
                 f"{header.update_id!r} was round {kept.header[0]}, num_samples {kept.header[1]}"
@@ -401,9 +401,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 ended.set()
 
             def keep() -> None:
-                if self._client_pushes.is_latest(client.id, context):  # not replaced by a newer push
+                def save() -> None:
                     upload.files = files.pop_all()
                     self._kept.keep(client.id, upload)
+
+                if self._client_pushes.if_latest(client.id, context, save):  # not replaced by a newer push
                     tensors, offset = upload.progress
                     log.info(
                         kv(
@@ -422,6 +424,13 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             except grpc.RpcError:
                 keep()
                 raise
+            except codec.CodecError as exc:
+                if kept is None:
+                    raise
+                raise Aborted(  # the client's tensors differ from the first attempt's (order, encoding): start over
+                    f"the resumed push does not continue what is kept of update {header.update_id!r} ({exc}): "
+                    "push it whole, without resume"
+                ) from exc
             model, control, tensor_bytes = upload.model, upload.control, upload.tensor_bytes
             nbytes = model.bytes_received + (control.bytes_received if control is not None else 0)
 
@@ -429,6 +438,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 try:
                     tensors = model.finish(allow_nonfinite=True)  # the coordinator names NaN/Inf per tensor
                     deltas = control.finish(allow_nonfinite=True) if control is not None else None
+                    if ended.is_set():  # cut, not finished: gRPC ended the stream as if the client had
+                        raise _CutStream
                     return self.coordinator.store_update(
                         client,
                         header.round,
@@ -445,6 +456,9 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
             try:
                 return self._decoders.submit(decode_and_store).result()
+            except _CutStream:
+                keep()
+                raise Aborted("the push stream ended before the update was acknowledged: retry it") from None
             except (codec.CodecError, IncompleteUpdate) as exc:
                 # gRPC may end a request stream that was cut or cancelled as if the client had finished it,
                 # and mark the call over a moment later: an update refused as incomplete is kept if so

@@ -109,4 +109,10 @@ def check_tensors(
         if t is None or t.role == "buffer":
             raise InvalidArgument(f"control delta {name!r}: not a trainable tensor of {tier}")
         deltas[name] = _check_one("control delta", name, array, t, tier)
+    missing = [t.name for t in spec.tensors if t.role != "buffer" and t.name not in deltas]
+    if missing:  # the server's mean of the controls must hold every client's Δc for every tensor
+        raise IncompleteUpdate(
+            f"missing control delta(s) {', '.join(repr(n) for n in missing[:5])}"
+            f"{' …' if len(missing) > 5 else ''}: SCAFFOLD needs Δc for every trainable tensor of {tier}"
+        )
     return clean, deltas

@@ -239,7 +239,7 @@ class Agent:
         s = self.state
         assert s is not None
         if s.pending is not None:
-            self._push_pending()
+            self._push_pending(resume=True)  # saved by an earlier step or process: the server may hold part of it
             return 0.0
         if s.evaluate_round is not None:
             r = s.evaluate_round
@@ -349,13 +349,13 @@ class Agent:
         log.info("event=trained round=%d seconds=%.2f", train.round, time.perf_counter() - started)
         self._push_pending()
 
-    def _push_pending(self) -> None:
+    def _push_pending(self, resume: bool = False) -> None:
         s = self.state
         assert s is not None and s.pending is not None
         p = s.pending
         try:
             reply = self.client.push(
-                p.round, p.update_id, p.num_samples, p.metrics, p.tensors, p.control_delta, fp16=p.fp16
+                p.round, p.update_id, p.num_samples, p.metrics, p.tensors, p.control_delta, fp16=p.fp16, resume=resume
             )
         except grpc.RpcError as exc:
             code = exc.code()  # type: ignore[attr-defined]

@@ -491,11 +491,14 @@ class AggregatorClient:
         control_delta: Mapping[str, Tensor] | None = None,
         *,
         fp16: bool = False,
+        resume: bool = False,
     ) -> pb.PushReply:
         """Stream one update; a retry rebuilds the stream with the same ``update_id`` (stored once).
 
         A retry first asks what the server kept of the broken stream (``GetUploadProgress``) and sends
-        only the rest; where nothing was kept (or the server predates resuming) it sends the update whole."""
+        only the rest; where nothing was kept (or the server predates resuming) it sends the update whole.
+        ``resume``: ask before the first attempt too (an update an earlier process may have begun to push).
+        Tensors go in name order, so a stream rebuilt from a saved update continues the first one's."""
 
         header = pb.PushHeader(
             round=round_,
@@ -503,13 +506,12 @@ class AggregatorClient:
             num_samples=num_samples,
             metrics={k: float(v) for k, v in metrics.items()},
         )
-        tensors_ = [(name, tensor, 0, pb.TENSOR_KIND_MODEL) for name, tensor in tensors.items()]
-        tensors_ += [
-            (name, tensor, round_, pb.TENSOR_KIND_CONTROL_DELTA) for name, tensor in (control_delta or {}).items()
-        ]
+        tensors_ = [(name, tensors[name], 0, pb.TENSOR_KIND_MODEL) for name in sorted(tensors)]
+        deltas = control_delta or {}
+        tensors_ += [(name, deltas[name], round_, pb.TENSOR_KIND_CONTROL_DELTA) for name in sorted(deltas)]
         nbytes = sum(t.numel() * (2 if fp16 and t.is_floating_point() else t.element_size()) for _, t, _, _ in tensors_)
 
-        attempts = [0]
+        attempts = [1 if resume else 0]
 
         def once() -> pb.PushReply:
             start = self._upload_progress(update_id, round_) if attempts[0] else (0, 0)

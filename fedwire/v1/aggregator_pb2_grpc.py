@@ -124,7 +124,8 @@ class AggregatorServicer:
     def GetUploadProgress(self, request, context):
         """What the server kept of this client's push with the given update_id that broke off
         (a cut link, a deadline): a retry then sends only the rest, with PushHeader.resume set.
-        Ends the client's push still in flight, if any, first: a client asks after its stream broke.
+        Ends the client's push still in flight, if any, first (waiting up to 10 s for it to end):
+        a client asks after its stream broke.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

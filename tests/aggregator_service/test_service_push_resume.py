@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_helpers import register, shards, small_federation
+from links import LinkProxy
 from pydantic import ValidationError
 from sqlalchemy import func, select
 from support import spool_files, stored_update, wait_until
@@ -22,6 +23,7 @@ from support import spool_files, stored_update, wait_until
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings
 from aggregator_service.store.models import Transfer
+from client_agent.transport import AggregatorClient
 from fedcore import codec
 from fedwire import framing
 from fedwire.v1 import aggregator_pb2 as pb
@@ -179,3 +181,56 @@ def test_kept_push_bytes_zero_keeps_nothing(start_service, sqlite_url, tmp_path)
     assert wait_until(lambda: spool_files(spool) == [], 30), "the broken push's spool file closed"
     with pytest.raises(ValidationError, match="kept_push_bytes"):
         AggregatorSettings(kept_push_bytes=-1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_resume_that_does_not_continue_the_kept_stream_starts_over(start_service, request, backend, tmp_path) -> None:
+    """Its tensors in another order (a client rebuilt the update differently): ABORTED, which the client
+    retries by pushing whole, and what was kept is dropped; the whole push is then stored as sent."""
+    url = _url(request, backend)
+    service, a, task, push, spool = _setup(start_service, url, tmp_path)
+    tensors = list(push.tensors.items())
+    header = pb.PushHeader(round=task.train.round, update_id="reordered", num_samples=push.num_samples)
+    progress, _, _ = _break_off(service, a, header, tensors, spool, 2, part=False)
+    assert (progress.kept, progress.tensors, progress.offset) == (True, 2, 0)
+
+    header.resume = True
+    reordered = [(n, t, 0, pb.TENSOR_KIND_MODEL) for n, t in reversed(tensors)]
+    with pytest.raises(grpc.RpcError) as info:
+        framing.push_update(service.channel)(framing.push_messages(header, reordered, start=(2, 0)), metadata=a.auth)
+    assert info.value.code() == grpc.StatusCode.ABORTED
+    assert "does not continue what is kept of update 'reordered'" in info.value.details()
+    assert not service.stub.GetUploadProgress(pb.UploadProgressRequest(update_id="reordered"), metadata=a.auth).kept
+    assert wait_until(lambda: spool_files(spool) == [], 30), "the dropped spool file closed"
+
+    header.ClearField("resume")
+    reply = framing.push_update(service.channel)(framing.push_messages(header, reordered), metadata=a.auth)
+    assert reply.accepted and not reply.duplicate
+    service.stop()
+    stored = stored_update(url, task.train.round)
+    for name, tensor in push.tensors.items():
+        np.testing.assert_array_equal(stored[name], tensor.numpy())
+
+
+def test_an_agent_pushing_a_saved_update_asks_first_and_sends_only_the_rest(start_service, sqlite_url, tmp_path):
+    """``push(resume=True)``, what the agent does with an update an earlier process saved: the server holds its
+    first tensors, so fewer bytes than the update cross the link, and the update is stored as sent."""
+    service, a, task, push, spool = _setup(start_service, sqlite_url, tmp_path)
+    tensors = sorted(push.tensors.items())  # the order client_agent sends
+    header = pb.PushHeader(round=task.train.round, update_id="saved", num_samples=push.num_samples)
+    progress, held, _ = _break_off(service, a, header, tensors, spool, len(tensors) - 1, part=False)
+    assert progress.kept and progress.tensors == len(tensors) - 1
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    proxy = LinkProxy(service.port)
+    agent = AggregatorClient(proxy.target, token=a.token)
+    try:
+        reply = agent.push(task.train.round, "saved", push.num_samples, {}, dict(push.tensors), resume=True)
+    finally:
+        agent.close()
+        proxy.close()
+    assert reply.accepted and not reply.duplicate
+    assert proxy.up_bytes < total - held + 64 * 1024  # the last tensor and the calls' framing, not the update
+    service.stop()
+    stored = stored_update(sqlite_url, task.train.round)
+    for name, tensor in push.tensors.items():
+        np.testing.assert_array_equal(stored[name], tensor.numpy())
