@@ -73,10 +73,8 @@ class KeptUploads:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def keep(self, client_id: str, upload: KeptUpload, *, refresh: bool = True) -> None:
-        """Keep ``upload`` for the client; ``refresh=False`` (put back untouched) keeps its lifetime running."""
-        if refresh:
-            upload.kept_at = self._clock()
+    def keep(self, client_id: str, upload: KeptUpload) -> None:
+        upload.kept_at = self._clock()
         with self._lock:
             gone = [self._kept.pop(client_id)] if client_id in self._kept else []
             self._kept[client_id] = upload

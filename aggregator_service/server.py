@@ -136,6 +136,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self._client_pushes = LatestPerClient()
         # what broken push streams delivered, so a retry sends only the rest (GetUploadProgress)
         self._kept = KeptUploads(settings.kept_push_limit)
+        self._progress_calls: set[str] = set()  # clients whose GetUploadProgress is waiting for their push to end
+        self._progress_lock = threading.Lock()
         # decoding, validating and storing run on these threads, not the RPC's: the updates in memory are
         # bounded by their number, and so are the thread-local caches numpy and torch keep per thread
         self._decoders = futures.ThreadPoolExecutor(settings.max_pushes_in_memory, thread_name_prefix="decode")
@@ -352,10 +354,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 "restarted): push it whole, without resume"
             )
         if _header_key(header) != kept.header:
-            self._kept.keep(client.id, kept, refresh=False)
-            raise InvalidArgument(
+            kept.files.close()  # ABORTED, not INVALID_ARGUMENT: the client pushes whole, rather than drop its update
+            raise Aborted(
                 f"a resumed push repeats its first attempt's round, num_samples and metrics; update "
-                f"{header.update_id!r} was round {kept.header[0]}, num_samples {kept.header[1]}"
+                f"{header.update_id!r} was round {kept.header[0]}, num_samples {kept.header[1]}: push it whole, "
+                "without resume"
             )
         return kept
 
@@ -364,8 +367,16 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         """Where the client's push of ``update_id`` that broke off resumes; its stream still in flight is ended."""
         client = self._client(context)
         check_header(request.update_id, 1, {})
-        # the server may not see a cut link for minutes: the client asks because its stream broke, so end it
-        self._client_pushes.end(client.id, timeout=10.0)
+        with self._progress_lock:  # one at a time per client: each may wait for the client's push to end
+            if client.id in self._progress_calls:
+                raise Unavailable("this client's GetUploadProgress is already waiting for its push to end: retry")
+            self._progress_calls.add(client.id)
+        try:
+            # the server may not see a cut link for minutes: the client asks because its stream broke, so end it
+            self._client_pushes.end(client.id, timeout=10.0)
+        finally:
+            with self._progress_lock:
+                self._progress_calls.discard(client.id)
         kept = self._kept.peek(client.id, request.update_id)
         if kept is None:
             return pb.UploadProgress(kept=False)
@@ -424,7 +435,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             except grpc.RpcError:
                 keep()
                 raise
-            except codec.CodecError as exc:
+            except (codec.CodecError, InvalidArgument) as exc:
                 if kept is None:
                     raise
                 raise Aborted(  # the client's tensors differ from the first attempt's (order, encoding): start over

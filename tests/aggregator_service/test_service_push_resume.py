@@ -146,20 +146,22 @@ def test_resume_refusals_are_clear_and_change_nothing(start_service, request, ba
         service.stub.GetUploadProgress(pb.UploadProgressRequest(update_id="x"))
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
-    # a stream broken where a tensor ends is kept too; a resume that changes the header is refused, and
-    # what was kept stays
+    # a stream broken where a tensor ends is kept too; a resume that changes the header is ABORTED (the client
+    # pushes whole, rather than drop its update) and what was kept is dropped
     header = pb.PushHeader(round=task.train.round, update_id="resume-2", num_samples=push.num_samples)
     progress, _, _ = _break_off(service, a, header, tensors, spool, 2, part=False)
     assert (progress.kept, progress.tensors, progress.offset) == (True, 2, 0)
     changed = pb.PushHeader(round=task.train.round, update_id="resume-2", num_samples=push.num_samples + 1, resume=True)
     with pytest.raises(grpc.RpcError) as info:
         framing.push_update(service.channel)(framing.push_messages(changed, entries, start=(2, 0)), metadata=a.auth)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.code() == grpc.StatusCode.ABORTED
     assert "repeats its first attempt's round, num_samples and metrics" in info.value.details()
-    again = progress_of("resume-2")
-    assert (again.kept, again.tensors, again.offset) == (True, 2, 0)
+    assert not progress_of("resume-2").kept
+    assert wait_until(lambda: spool_files(spool) == [], 30), "the dropped spool file closed"
 
-    # another client cannot see or continue it
+    # broken again, then another client cannot see or continue it
+    progress, _, _ = _break_off(service, a, header, tensors, spool, 2, part=False)
+    assert progress.kept
     b, _ = (register(service.stub, 1.0, d) for d in shards(2))
     assert not service.stub.GetUploadProgress(pb.UploadProgressRequest(update_id="resume-2"), metadata=b.auth).kept
 
@@ -234,3 +236,44 @@ def test_an_agent_pushing_a_saved_update_asks_first_and_sends_only_the_rest(star
     stored = stored_update(sqlite_url, task.train.round)
     for name, tensor in push.tensors.items():
         np.testing.assert_array_equal(stored[name], tensor.numpy())
+
+
+def test_one_upload_progress_call_per_client_waits(start_service, sqlite_url, tmp_path) -> None:
+    """GetUploadProgress waits (up to 10 s) for the client's push to end; a client cannot hold more threads
+    that way: its second call meanwhile is UNAVAILABLE. Here the push waits in line for the one push slot,
+    held by another client's stalled push, so it cannot end before the 10 s."""
+    service, a, task, _, spool = _setup(start_service, sqlite_url, tmp_path, max_concurrent_pushes=1)
+    b, _ = (register(service.stub, 1.0, d) for d in shards(2))
+    release = threading.Event()
+
+    def stalled(update_id: str):
+        yield pb.PushMessage(header=pb.PushHeader(round=task.train.round, update_id=update_id, num_samples=1))
+        release.wait(60)
+
+    holding = service.stub.PushUpdate.future(stalled("b-holds"), metadata=b.auth)
+    assert wait_until(lambda: len(spool_files(spool)) == 1, 30), "b's push holds the one slot (its spool file)"
+    waiting = service.stub.PushUpdate.future(stalled("a-waits"), metadata=a.auth)
+    try:
+        request = pb.UploadProgressRequest(update_id="a-waits")
+
+        def waits() -> bool:  # the first call is waiting for a's push (it answers at once before the push enters)
+            calls[:] = [service.stub.GetUploadProgress.future(request, metadata=a.auth)]
+            return not wait_until(calls[0].done, 0.5)
+
+        calls: list[grpc.Future] = []
+        assert wait_until(waits, 30), "a GetUploadProgress waiting for a's push to end"
+        calls.append(service.stub.GetUploadProgress.future(request, metadata=a.auth))
+        outcomes = []
+        for call in calls:
+            try:
+                outcomes.append(call.result(timeout=30).kept)
+            except grpc.RpcError as exc:
+                outcomes.append((exc.code(), exc.details()))
+        refused = [o for o in outcomes if isinstance(o, tuple)]
+        assert len(refused) == 1 and False in outcomes, outcomes
+        assert refused[0][0] == grpc.StatusCode.UNAVAILABLE
+        assert "GetUploadProgress is already waiting for its push to end" in refused[0][1]
+    finally:
+        release.set()
+        for call in (holding, waiting):
+            call.cancel()
