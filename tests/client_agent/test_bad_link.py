@@ -50,6 +50,22 @@ def aggregator(tmp_path: Path, model: str) -> Iterator[int]:
         server.stop(grace=None)
 
 
+@contextlib.contextmanager
+def cut_link(port: int, **cuts: int) -> Iterator[tuple[LinkProxy, AggregatorClient, AggregatorClient, list[float]]]:
+    """A link that drops every connection where ``cuts`` say (LinkProxy), a client on it that retries at once,
+    a client on the direct link, and the cut client's waits between retries; all closed at the end."""
+    proxy = LinkProxy(port, **cuts)
+    retries: list[float] = []
+    cut = AggregatorClient(proxy.target, backoff=Backoff(base=0.05, max_elapsed=60), sleep=retries.append)
+    direct = AggregatorClient(f"127.0.0.1:{port}")
+    try:
+        yield proxy, cut, direct, retries
+    finally:
+        cut.close()
+        direct.close()
+        proxy.close()
+
+
 def test_a_link_too_slow_for_the_call_deadline_still_fetches_and_pushes(tmp_path: Path) -> None:
     """At 200 KB/s the 605 KB model takes about 3 s, three times rpc_timeout: a fixed deadline would cut
     every attempt at the same place, forever. The deadline follows the transfer's size instead."""
@@ -92,20 +108,12 @@ def test_a_link_too_slow_for_the_call_deadline_still_fetches_and_pushes(tmp_path
 def test_a_download_cut_again_and_again_resumes_with_the_tensors_it_completed(tmp_path: Path) -> None:
     """Every connection drops after 16 MB of the 45 MB ResNet-18: restarting from byte 0 never ends;
     keeping the completed tensors finishes in a few attempts, with the same model a clean link gets."""
-    with aggregator(tmp_path, "resnet18") as port:
-        proxy = LinkProxy(port, cut_down_after=16 * 2**20)
-        retries: list[float] = []
-        cut = AggregatorClient(proxy.target, backoff=Backoff(base=0.05, max_elapsed=60), sleep=retries.append)
-        direct = AggregatorClient(f"127.0.0.1:{port}")
-        try:
-            _, spec = direct.register(CapabilityProfile(num_samples=100), SECRET)
-            cut.token = direct.token
-            fetched = cut.fetch(spec, {})
-            reference = direct.fetch(spec, {})
-        finally:
-            cut.close()
-            direct.close()
-            proxy.close()
+    with aggregator(tmp_path, "resnet18") as port, cut_link(port, cut_down_after=16 * 2**20) as link:
+        proxy, cut, direct, retries = link
+        _, spec = direct.register(CapabilityProfile(num_samples=100), SECRET)
+        cut.token = direct.token
+        fetched = cut.fetch(spec, {})
+        reference = direct.fetch(spec, {})
     total = sum(t.numel() * t.element_size() for t, _ in reference.model.values())
     assert total > 40 * 2**20 and proxy.cuts >= 2 and len(retries) == proxy.cuts
     assert proxy.down_bytes < total + 2 * 16 * 2**20  # at most the two cut attempts' bytes were lost
@@ -120,11 +128,7 @@ def test_an_upload_cut_again_and_again_resumes_where_the_server_holds_it(tmp_pat
     """Every connection drops after 16 MB up, and ResNet-18's update is 45 MB: a push restarted from byte 0
     never ends; resumed where the server holds it (GetUploadProgress), it is stored in a few attempts, as sent."""
     with aggregator(tmp_path, "resnet18") as port:
-        proxy = LinkProxy(port, cut_up_after=16 * 2**20)
-        retries: list[float] = []
-        cut = AggregatorClient(proxy.target, backoff=Backoff(base=0.05, max_elapsed=60), sleep=retries.append)
-        direct = AggregatorClient(f"127.0.0.1:{port}")
-        try:
+        with cut_link(port, cut_up_after=16 * 2**20) as (proxy, cut, direct, retries):
             direct.register(CapabilityProfile(num_samples=100), SECRET)  # a second member keeps round 1 open
             _, spec = direct.register(CapabilityProfile(num_samples=100), SECRET)
             cut.token = direct.token
@@ -136,10 +140,6 @@ def test_an_upload_cut_again_and_again_resumes_where_the_server_holds_it(tmp_pat
                 for name, (t, _) in fetched.model.items()
             }
             reply = cut.push(task.train.round, "u-cut", 100, {"train_loss": 0.5}, update)
-        finally:
-            cut.close()
-            direct.close()
-            proxy.close()
         total = sum(t.numel() * t.element_size() for t in update.values())
         assert reply.accepted and not reply.duplicate
         # a cut can break the next connection's first write too: a retry more than the cuts, losing nothing
