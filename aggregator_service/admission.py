@@ -49,6 +49,12 @@ class Gate:
             self._inside -= 1
             self._cond.notify()
 
+    @property
+    def in_line(self) -> int:
+        """Callers waiting for a slot now."""
+        with self._cond:
+            return self._in_line
+
 
 class _Call(Protocol):
     def cancel(self) -> Any: ...

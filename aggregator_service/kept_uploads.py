@@ -112,6 +112,20 @@ class KeptUploads:
             upload = self._kept.pop(client_id, None)
         _close([upload] if upload is not None else [])
 
+    def expire(self) -> None:
+        """Drop those past their lifetime: keep/peek/take do too, but an idle server calls none of them
+        (the server's ticker calls this)."""
+        with self._lock:
+            gone = self._expired_locked()
+        _close(gone)
+
+    def close(self) -> None:
+        """Drop them all (the server stops: nothing can resume them)."""
+        with self._lock:
+            gone = list(self._kept.values())
+            self._kept.clear()
+        _close(gone)
+
     def _expired_locked(self) -> list[KeptUpload]:
         now = self._clock()
         old = [c for c, u in self._kept.items() if now - u.kept_at > self.ttl_seconds]

@@ -127,6 +127,14 @@ def _rpc(fn: _F) -> _F:
     return wrapper  # type: ignore[return-value]
 
 
+_ROUND_OUTCOMES = {
+    "open": pb.ROUND_OUTCOME_OPEN,
+    "closed": pb.ROUND_OUTCOME_CLOSED,
+    "abandoned": pb.ROUND_OUTCOME_ABANDONED,
+    "unknown": pb.ROUND_OUTCOME_UNKNOWN,
+}
+
+
 class AggregatorServicer(pb_grpc.AggregatorServicer):
     def __init__(self, coordinator: Coordinator, settings: AggregatorSettings, push_waiters: int = 16) -> None:
         self.coordinator = coordinator
@@ -156,6 +164,15 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         self._cert_digests: dict[bytes, str] = {}  # PEM → sha256 of its DER
         # (tier, kind, name) → (the tensor object and version it was built from, its serialized frames)
         self._wire_cache: dict[tuple[float, int, str], tuple[Tensor, int, tuple[tuple[bytes, int], ...]]] = {}
+
+    def housekeeping(self) -> None:
+        """What must happen even when no call comes (the server's :class:`DeadlineTicker` calls it): kept pushes
+        past their lifetime let go of their spool files."""
+        self._kept.expire()
+
+    def close(self) -> None:
+        """Let go of the kept pushes' spool files, once the server has stopped."""
+        self._kept.close()
 
     def _client(self, context: grpc.ServicerContext) -> ClientInfo:
         values = [v for k, v in context.invocation_metadata() if k == "authorization"]
@@ -220,7 +237,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         now, current, closed = self.coordinator.heartbeat(self._client(context))
-        return pb.HeartbeatReply(server_time_unix=now, current_round=current, last_closed_round=closed)
+        outcome = _ROUND_OUTCOMES[self.coordinator.round_outcome(request.round)] if request.round else 0
+        return pb.HeartbeatReply(
+            server_time_unix=now, current_round=current, last_closed_round=closed, round_outcome=outcome
+        )
 
     @_rpc
     def GetTask(self, request: pb.GetTaskRequest, context: grpc.ServicerContext) -> pb.Task:
@@ -339,7 +359,11 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         if complete is not None:  # this update completed the round: closed with the update's arrays dropped
             self.coordinator.close_complete(complete)
         return pb.PushReply(
-            accepted=result.accepted, duplicate=result.duplicate, round=result.round, message=result.message
+            accepted=result.accepted,
+            duplicate=result.duplicate,
+            round=result.round,
+            message=result.message,
+            move_scale=result.move_scale,
         )
 
     def _resumed(self, client: ClientInfo, header: pb.PushHeader) -> KeptUpload | None:
@@ -655,7 +679,9 @@ def build_server(
             ("grpc.http2.lookahead_bytes", RECEIVE_WINDOW_BYTES),
         ],
     )
-    _add_servicer(AggregatorServicer(coordinator, settings, push_waiters=max(1, max_workers // 2)), server)
+    servicer = AggregatorServicer(coordinator, settings, push_waiters=max(1, max_workers // 2))
+    _add_servicer(servicer, server)
+    server.aggregator_servicer = servicer  # type: ignore[attr-defined]  # for serve(): its housekeeping and close
     health_servicer = health.HealthServicer()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -677,7 +703,10 @@ def build_server(
 
 
 class DeadlineTicker(threading.Thread):
-    """Calls ``coordinator.tick()`` every ``interval`` seconds.
+    """Calls ``coordinator.tick()``, then ``housekeeping()`` if given, every ``interval`` seconds.
+
+    The housekeeping (:meth:`AggregatorServicer.housekeeping`) runs even when the coordinator's tick fails: it
+    needs no database, and spool files must not outlive their hour because the database is away.
 
     A failing tick (the database away for an hour) is logged with its traceback once per kind of error
     (its exception type: a driver's message often varies with the statement or the attempt); the
@@ -691,11 +720,12 @@ class DeadlineTicker(threading.Thread):
         coordinator: Coordinator,
         interval: float = 1.0,
         *,
+        housekeeping: Callable[[], None] | None = None,
         repeat_log_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(name="deadline-ticker", daemon=True)
-        self.coordinator, self.interval = coordinator, interval
+        self.coordinator, self.interval, self.housekeeping = coordinator, interval, housekeeping
         self.repeat_log_seconds, self.clock = repeat_log_seconds, clock
         self.stopped = threading.Event()
         self.failures = 0  # consecutive failed ticks
@@ -707,9 +737,13 @@ class DeadlineTicker(threading.Thread):
             self.tick_once()
 
     def tick_once(self) -> None:
-        """One tick, logged as above."""
+        """One tick, logged as above; a failing housekeeping is a failing tick."""
         try:
-            self.coordinator.tick()
+            try:
+                self.coordinator.tick()
+            finally:  # both failing: the housekeeping's error is logged, with the tick's chained to it
+                if self.housekeeping is not None:
+                    self.housekeeping()
         except Exception as exc:
             self._failed(exc)
             return
@@ -756,7 +790,8 @@ def serve(settings: AggregatorSettings) -> int:
 def _serve(settings: AggregatorSettings, lock: store.FederationLock) -> int:
     server, port, coordinator = build_server(settings)
     health_servicer: health.HealthServicer = server.health_servicer  # type: ignore[attr-defined]
-    ticker = DeadlineTicker(coordinator)
+    servicer: AggregatorServicer = server.aggregator_servicer  # type: ignore[attr-defined]
+    ticker = DeadlineTicker(coordinator, housekeeping=servicer.housekeeping)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -799,6 +834,7 @@ def _serve(settings: AggregatorSettings, lock: store.FederationLock) -> int:
     coordinator.shared.stop_waiting()  # held GetTask calls answer now, not at the end of the grace period
     ticker.stop()
     server.stop(grace=10).wait()
+    servicer.close()
     coordinator.flush()
     log.info(kv("stopped"))
     return code

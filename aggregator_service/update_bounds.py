@@ -66,15 +66,30 @@ class UpdateBounds:
                     "train with a smaller learning rate or fewer local steps"
                 )
 
+    @property
+    def clips(self) -> bool:
+        return self.max_norm is not None and self.mode == "clip"
+
+    def move_scale(self, spec: ModelSpec, tensors: Mapping[str, Tensor], global_tensors: Mapping[str, Tensor]) -> float:
+        """The factor the fold scales this update's ``Δ`` by: ``max_norm/‖Δ‖`` in clip mode when it is longer, else
+        1. Told to the client at push (``PushReply.move_scale``): its strategy state follows the move folded."""
+        if not self.clips:
+            return 1.0
+        return self._scale(_aligned(spec, tensors), global_tensors)
+
+    def _scale(self, aligned: Mapping[str, Tensor], global_tensors: Mapping[str, Tensor]) -> float:
+        assert self.max_norm is not None
+        norm = delta_norm(aligned, global_tensors)
+        return 1.0 if norm <= self.max_norm else self.max_norm / norm
+
     def clip(self, update: ClientUpdate, global_tensors: Mapping[str, Tensor]) -> ClientUpdate:
         """At fold, in clip mode: the update with ``Δ`` scaled to ``max_norm`` when it is longer; else unchanged."""
-        if self.max_norm is None or self.mode != "clip":
+        if not self.clips:
             return update
         aligned = _aligned(update.spec, update.tensors)
-        norm = delta_norm(aligned, global_tensors)
-        if norm <= self.max_norm:
+        scale = self._scale(aligned, global_tensors)
+        if scale == 1.0:
             return update
-        scale = self.max_norm / norm
         clipped = {}
         for name, t in aligned.items():
             g = global_tensors[name]

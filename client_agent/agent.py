@@ -30,7 +30,7 @@ import torch
 
 from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS, check_model_allowed
 from client_agent.pacing import ComputeSlot, RoundWatch
-from client_agent.state import ClientState, PendingUpdate
+from client_agent.state import ClientState, PendingUpdate, TakenUpdate
 from client_agent.transport import LONG_POLL_SECONDS, AggregatorClient, Stopped, Unauthenticated, task_from_proto
 from client_agent.update import ClientEvaluation, evaluate_client, on_device, run_task
 from fedcore.data import check_labels
@@ -38,6 +38,7 @@ from fedcore.model_input import Normalization, fit_to_model, needs_fitting
 from fedcore.spec import ModelSpec
 from fedcore.tiers import CapabilityProfile
 from fedcore.training import Dataset
+from fedcore.training.terms import MOVE_GROUPS, scale_move
 from fedwire.v1 import aggregator_pb2 as pb
 
 __all__ = ["CREDENTIALS_FILE", "EXIT_CODES", "Agent", "Credentials", "TrainingDiverged"]
@@ -133,6 +134,7 @@ class Agent:
         # False: the state is never written (a simulation in a temporary directory nobody can resume from)
         self.keep_state = keep_state
         self.round_watch = round_watch  # shared by the agents of one process: one heartbeat stream, not one each
+        self._warned_move_scale = False
         # model code the aggregator may make this client import, beyond the zoo (client_agent.allowed_models)
         self.allowed_models = tuple(allowed_models)
         # the torch device this client trains and evaluates on (auto, cpu, cuda[:N]), whatever the task's config
@@ -247,6 +249,9 @@ class Agent:
                 beat = self.round_watch.wait(lambda b: b.last_closed_round >= r or b.current_round != r, timeout=1.0)
             else:
                 beat = self.client.heartbeat()
+            if (beat.last_closed_round >= r or beat.current_round != r) and s.taken is not None:
+                self._settle_taken()  # the round ended: was the update folded? Then look again: settling may wait
+                return 0.0
             if beat.last_closed_round >= s.evaluate_round:
                 if self.defer_evaluation:
                     self._fetch_to_evaluate_later(beat.last_closed_round)
@@ -279,6 +284,7 @@ class Agent:
             self._train(task.train)
             return 0.0
         if kind == "done":
+            self._settle_taken()
             if self._deferred is not None:  # the last round's model: no training to go first
                 self._evaluate_deferred()
                 self._report_now()
@@ -293,6 +299,8 @@ class Agent:
         return max(0.0, task.wait.retry_after_seconds)
 
     def _train(self, train: pb.Task.Train) -> None:
+        if not self._settle_taken():  # this round trains from the state the last one left
+            return  # stopping
         with self.round_watch.training() if self.round_watch is not None else contextlib.nullcontext():
             self._train_and_push(train)
         if self._deferred is not None:
@@ -323,7 +331,7 @@ class Agent:
                 self.train_data,
                 personal_atoms=train.personal_atoms,
                 progress=self.progress,
-                hold_strategy_state=True,  # kept when the server takes the update (_push_pending)
+                hold_strategy_state=True,  # held aside once the server takes the update, kept once its round closes
             )
         bad = [k for k, v in push.metrics.items() if not math.isfinite(v)]
         bad += [
@@ -373,10 +381,50 @@ class Agent:
             self._save()
             return
         log.info("event=pushed round=%d duplicate=%s message=%s", p.round, reply.duplicate, json.dumps(reply.message))
-        s.strategy_state.update(p.strategy_state)
+        if p.strategy_state:  # kept once its round closes (_settle_taken), moved as far as the server folds it
+            state = p.strategy_state
+            if reply.move_scale == 0.0 and not self._warned_move_scale and MOVE_GROUPS & state.keys():
+                self._warned_move_scale = True  # once: a server without the field answers so on every push
+                log.warning(
+                    "event=move_scale_unknown round=%d hint=if the server clipped this update, its state step is "
+                    "kept whole",
+                    p.round,
+                )
+            elif reply.move_scale not in (0.0, 1.0):
+                state = scale_move(s.strategy_state, state, reply.move_scale)
+            s.taken = TakenUpdate(p.round, state)
         s.pending = None
         s.evaluate_round = p.round if self.test_data is not None else None
         self._save(optional=True)
+
+    def _settle_taken(self) -> bool:
+        """Keep the strategy state of the update the server took last if its round closed; drop it if the
+        round was abandoned (nothing of it was folded, so the server's mean of these states never saw it).
+        ``False`` when the agent stopped before it could learn which."""
+        s = self.state
+        assert s is not None
+        taken = s.taken
+        if taken is None:
+            return True
+        outcome = self.client.heartbeat(round_=taken.round).round_outcome
+        while outcome == pb.ROUND_OUTCOME_OPEN:  # a task of a later round cannot come before it ends
+            if self.stop.wait(max(self.eval_poll_seconds, 0.05)):
+                return False
+            outcome = self.client.heartbeat(round_=taken.round).round_outcome
+        if outcome == pb.ROUND_OUTCOME_CLOSED:
+            s.strategy_state.update(taken.strategy_state)
+        elif outcome == pb.ROUND_OUTCOME_UNSPECIFIED:  # a server that cannot say: kept, as it always was
+            log.warning(
+                "event=round_outcome_unknown round=%d hint=the server predates HeartbeatRequest.round", taken.round
+            )
+            s.strategy_state.update(taken.strategy_state)
+        else:
+            known = outcome in pb.RoundOutcome.values()  # a newer server may say more
+            name = pb.RoundOutcome.Name(outcome).removeprefix("ROUND_OUTCOME_").lower() if known else str(outcome)
+            log.warning("event=strategy_state_dropped round=%d outcome=%s", taken.round, name)
+        s.taken = None
+        self._save(optional=True)  # settling again after a crash gives the same answer
+        return True
 
     def _evaluate(self, closed: int) -> None:
         """Fetch the model round ``closed`` produced and evaluate it on the local test split (reported with

@@ -26,12 +26,13 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 from torch import Tensor
 
-__all__ = ["STATE_FILE", "ClientState", "PendingUpdate"]
+__all__ = ["STATE_FILE", "ClientState", "PendingUpdate", "TakenUpdate"]
 
 STATE_FILE = "state.safetensors"
 _FORMAT = 1
 _STRATEGY = "strategy."  # group prefix of the strategy state ("strategy.control", …)
 _PENDING_STRATEGY = "pending_strategy."  # and of the pending update's, not yet kept
+_TAKEN_STRATEGY = "taken_strategy."  # and of the update taken, until its round's outcome is known
 
 
 @dataclass
@@ -45,9 +46,22 @@ class PendingUpdate:
     tensors: dict[str, Tensor]
     control_delta: dict[str, Tensor] | None = None
     fp16: bool = False  # the federation's transport precision, as the task said
-    #: the strategy state this update's training produced, kept once the server takes the update and dropped
-    #: if it refuses it: SCAFFOLD's c = mean c_i (FedDyn's h, FedDC's H likewise) holds only over updates folded
+    #: the strategy state this update's training produced: held aside (``taken``) once the server takes the
+    #: update, dropped if it refuses it: SCAFFOLD's c = mean c_i (FedDyn's h, FedDC's H likewise) holds only
+    #: over updates folded
     strategy_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class TakenUpdate:
+    """An update the server took for ``round``, whose round's outcome is not known yet.
+
+    The strategy state its training produced waits here: kept once the round closes (the server folded
+    the update), dropped if the round was abandoned (it folded nothing), so ``c = mean c_i`` holds then too.
+    """
+
+    round: int
+    strategy_state: dict[str, dict[str, Tensor]]
 
 
 @dataclass
@@ -65,6 +79,7 @@ class ClientState:
     personal_model: dict[str, Tensor] | None = None
     rounds_joined: int = 0
     pending: PendingUpdate | None = None
+    taken: TakenUpdate | None = None
     evaluate_round: int | None = None  # pushed for this round: evaluate the model it produces
     last_round: int = 0  # the last round this client trained for
     last_config: dict[str, Any] | None = None  # TrainConfig.to_dict() of the last round trained
@@ -85,7 +100,7 @@ class ClientState:
     # ------------------------------------------------------------------ on disk
 
     def _groups(self) -> dict[str, dict[str, Tensor] | None]:
-        p = self.pending
+        p, t = self.pending, self.taken
         return {
             "global": self.global_tensors,
             "unsynced": self.unsynced,
@@ -96,6 +111,7 @@ class ClientState:
             "pending": p.tensors if p else None,
             "pending_delta": p.control_delta if p else None,
             **{f"{_PENDING_STRATEGY}{g}": values for g, values in (p.strategy_state if p else {}).items()},
+            **{f"{_TAKEN_STRATEGY}{g}": values for g, values in (t.strategy_state if t else {}).items()},
         }
 
     def save(self, directory: str | Path, *, fsync: bool = True) -> Path:
@@ -131,6 +147,7 @@ class ClientState:
                 "metrics": p.metrics,
                 "fp16": p.fp16,
             },
+            "taken_round": None if self.taken is None else self.taken.round,
         }
         path = directory / STATE_FILE
         tmp = directory / f".{STATE_FILE}.tmp"
@@ -199,6 +216,15 @@ class ClientState:
                     g.removeprefix(_PENDING_STRATEGY): values
                     for g, values in groups.items()
                     if g.startswith(_PENDING_STRATEGY)
+                },
+            )
+        if meta.get("taken_round") is not None:
+            state.taken = TakenUpdate(
+                round=int(meta["taken_round"]),
+                strategy_state={
+                    g.removeprefix(_TAKEN_STRATEGY): values
+                    for g, values in groups.items()
+                    if g.startswith(_TAKEN_STRATEGY)
                 },
             )
         return state

@@ -388,9 +388,11 @@ class AggregatorClient:
         self.token = reply.token
         return reply
 
-    def heartbeat(self, *, retry: bool = True) -> pb.HeartbeatReply:
-        """``retry=False``: one attempt (a background beat must not sleep through a shutdown)."""
-        call = lambda: self._unary(self.stub.Heartbeat, pb.HeartbeatRequest(), metadata=self._auth, timeout=10)  # noqa: E731
+    def heartbeat(self, *, retry: bool = True, round_: int = 0) -> pb.HeartbeatReply:
+        """``retry=False``: one attempt (a background beat must not sleep through a shutdown); ``round_``:
+        also ask what became of that round (``HeartbeatReply.round_outcome``)."""
+        request = pb.HeartbeatRequest(round=round_)
+        call = lambda: self._unary(self.stub.Heartbeat, request, metadata=self._auth, timeout=10)  # noqa: E731
         return self._call("Heartbeat", call) if retry else call()
 
     def get_task(

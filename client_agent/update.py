@@ -43,7 +43,7 @@ class ClientPush:
     metrics: dict[str, float]
     control_delta: dict[str, Tensor] | None = None
     #: with ``hold_strategy_state``: the client's new strategy state (SCAFFOLD's c_i, FedDyn's ∇L_k, FedDC's
-    #: h_i), to keep only once the server has taken the update
+    #: h_i), held aside once the server has taken the update and kept once its round closes
     strategy_state: dict[str, dict[str, Tensor]] | None = None
 
 

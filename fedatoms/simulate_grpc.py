@@ -158,6 +158,7 @@ def run_grpc_simulation(
             reader.dispose()
             if owned is not None:
                 owned[0].stop(grace=5).wait()
+                owned[0].aggregator_servicer.close()  # the kept pushes' spool files
                 owned[2].stop()
                 owned[2].join(timeout=10)
         if owned is not None:
@@ -201,7 +202,7 @@ def _start_aggregator(settings: AggregatorSettings) -> tuple[Any, int, Any]:
 
     reuse_message_buffers()  # as `fedatoms aggregator serve` does
     server, port, coordinator = build_server(settings)
-    ticker = DeadlineTicker(coordinator)
+    ticker = DeadlineTicker(coordinator, housekeeping=server.aggregator_servicer.housekeeping)
     server.start()
     ticker.start()
     return server, port, ticker

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -128,3 +129,19 @@ def stored_update(url: str, round_: int) -> dict[str, np.ndarray]:
             return tensors
     finally:
         engine.dispose()
+
+
+def serve_aggregator(url: str, max_workers: int = 8, **settings: Any) -> tuple[Any, grpc.Server, int]:
+    """A real aggregator in this process over ``url`` (migrated), on an ephemeral loopback port, started:
+    ``(coordinator, server, port)``; ``settings`` are :class:`AggregatorSettings` fields. Stop it with
+    ``server.stop(grace=None)``."""
+    from aggregator_service.config import AggregatorSettings
+    from aggregator_service.coordinator import Coordinator
+    from aggregator_service.server import build_server
+
+    s = AggregatorSettings(listen="127.0.0.1:0", database_url=url, **settings)
+    store.upgrade(url)
+    coordinator = Coordinator(s, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
+    server, port, _ = build_server(s, coordinator, max_workers=max_workers)
+    server.start()
+    return coordinator, server, port

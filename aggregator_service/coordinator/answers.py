@@ -56,3 +56,5 @@ class PushResult(NamedTuple):
     duplicate: bool
     round: int
     message: str
+    #: what the fold scales the update's move by (``update_norm_mode = "clip"``); 0: not known any more
+    move_scale: float = 1.0

@@ -120,6 +120,7 @@ class Closing:
         shared, plan = self.shared, op.plan
         while True:
             drained: Counts = {}
+            pruned_through: int | None = None
             try:
                 release_free_memory()  # what the round's pushes left in the heap, before the close adds to it
                 with shared.lock:
@@ -155,9 +156,14 @@ class Closing:
                         save_strategy_groups(s, shared.fed_row, strategy_groups)
                         if shared.settings.history_rounds is not None:
                             keep = shared.settings.history_rounds
-                            # the ledger's writes read it once their transaction holds SQLite's write lock,
-                            # which this one holds to its commit; a failed commit reloads it (below)
-                            shared.history_pruned_through = store.prune_history(s, shared.fed_row, plan.round, keep)
+                            pruned_through = store.prune_history(s, shared.fed_row, plan.round, keep)
+                # the watermark the ledger's writes read moves only now, committed: set before the commit, a
+                # write on PostgreSQL could skip the detail rows of rounds whose prune then rolls back. A write
+                # that reads the old one meanwhile writes rows of a round just pruned: the next prune deletes
+                # them (it deletes every row of round ≤ its cutoff); after the last round's close none does, and
+                # those few rows stay
+                if pruned_through is not None:
+                    shared.history_pruned_through = pruned_through
             except Exception as exc:
                 self.ledger.unwrite(drained)
                 self._after_failure(plan.round, exc)

@@ -53,6 +53,7 @@ class Coordinator:
         self.register = self.registry.register
         self.authenticate = self.registry.authenticate
         self.heartbeat = self.tasks.heartbeat
+        self.round_outcome = self.tasks.round_outcome
         self.get_task = self.tasks.get_task
         self.set_paused = self.tasks.set_paused
         self.fetch = self.tasks.fetch

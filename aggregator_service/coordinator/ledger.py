@@ -163,9 +163,10 @@ class Ledger:
             raise
 
     def _pruned_through(self, s: Session) -> int:
-        """The retention watermark (:attr:`Shared.history_pruned_through`) for a write in ``s``, read once
-        ``s`` has begun: on SQLite it then holds the write lock, so no close is between its prune and its
-        commit, and the value is the committed one; a close's own write (before its prune) reads the old one."""
+        """The retention watermark (:attr:`Shared.history_pruned_through`) for a write in ``s``, read once ``s``
+        has begun. A close moves it only after its commit, so it is never ahead of the database; just after a
+        close it may still be the old one (rows then written for a round just pruned go with the next prune),
+        and a close's own write (before its prune) reads the old one."""
         s.connection()
         return self.shared.history_pruned_through
 

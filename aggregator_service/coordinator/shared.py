@@ -64,7 +64,8 @@ class Shared:
         self.open: OpenRound | None = None
         self.state = "running"
         # ``federations.history_pruned_through``: read at load, moved only by this process's closes
-        # (``prune_history``, set before the close commits), passed to every ledger write
+        # (``prune_history``, set once the close has committed: never ahead of the database), passed to every
+        # ledger write
         self.history_pruned_through = 0
         # bumped by every change a long-polling GetTask may be waiting for (:meth:`settle`)
         self.generation = 0

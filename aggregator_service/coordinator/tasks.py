@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 from torch import Tensor
 
 from aggregator_service import store
@@ -42,6 +43,26 @@ class Tasks:
         with shared.lock:
             current, closed = shared.current_round(), shared.federation.round
         return shared.clock().timestamp(), current, closed
+
+    def round_outcome(self, round_: int) -> str:
+        """What became of round ``round_``: ``open`` (or closing), ``closed``, ``abandoned`` or ``unknown``.
+
+        A client that pushed for a round keeps its strategy state's step aside until it learns this
+        (``HeartbeatRequest.round``); the open round is answered from memory, any other from the store,
+        which keeps every round's row for the federation's life."""
+        shared = self.shared
+        with shared.lock:
+            if shared.open is not None and shared.open.plan.round == round_:
+                return "open"
+        with Session(shared.reader) as s, s.begin():
+            state = s.scalar(
+                select(store.Round.state).where(
+                    store.Round.federation_id == shared.fed_row.id, store.Round.number == round_
+                )
+            )
+        if state == "open":  # opened by the store, not yet by this process (a reload in flight)
+            return "open"
+        return state if state in ("closed", "abandoned") else "unknown"
 
     def get_task(self, client: ClientInfo, wait_seconds: float = 0.0) -> Wait | Train | Done:
         """The client's task; with ``wait_seconds`` > 0 (a long poll), a Wait is held back until the answer

@@ -125,7 +125,10 @@ class Uploads:
         except _LatePush as late:  # answered outside the lock: it writes
             return self._refuse_late(client, round_, update_id, late), None
         model, deltas = check_tensors(spec, round_, due, tensors, control_delta, scaffold=scaffold)
-        shared.settings.update_bounds.check(spec, {n: torch.from_numpy(a) for n, a in model.items()}, start)
+        bounds, as_tensors = shared.settings.update_bounds, {n: torch.from_numpy(a) for n, a in model.items()}
+        bounds.check(spec, as_tensors, start)
+        move_scale = bounds.move_scale(spec, as_tensors, start)  # the fold's clip, from the same round model
+        del as_tensors
         size = nbytes if nbytes is not None else sum(a.nbytes for a in [*model.values(), *(deltas or {}).values()])
         if tensor_bytes is None:
             tensor_bytes = {}
@@ -154,7 +157,8 @@ class Uploads:
         except store.UpdateConflict as exc:
             raise FailedPrecondition(f"{exc}; a retry must reuse the original update_id") from exc
         except store.RoundStateError as exc:  # the round closed after the checks above: late after all
-            return self._refuse_late(client, round_, update_id, FailedPrecondition(f"{exc}: poll GetTask")), None
+            refusal = FailedPrecondition(f"{exc}: poll GetTask")
+            return self._refuse_late(client, round_, update_id, refusal, move_scale), None
         except (store.NotInCohort, store.NotFound) as exc:
             raise FailedPrecondition(f"{exc}: poll GetTask for the current task") from exc
         log.info(
@@ -168,12 +172,20 @@ class Uploads:
                 if not now_open.closing and now_open.reported.issuperset(now_open.plan.cohort):
                     now_open.closing, complete = True, now_open
         note = "duplicate of an update already stored" if duplicate else f"stored {len(model)} tensors, {size} bytes"
-        return PushResult(True, duplicate, round_, note), complete
+        return PushResult(True, duplicate, round_, note, move_scale), complete
 
-    def _refuse_late(self, client: ClientInfo, round_: int, update_id: str, refusal: FailedPrecondition) -> PushResult:
+    def _refuse_late(
+        self,
+        client: ClientInfo,
+        round_: int,
+        update_id: str,
+        refusal: FailedPrecondition,
+        move_scale: float | None = None,
+    ) -> PushResult:
         """A push for a round that is not open: a retry of an update that round consumed is a duplicate (its
         acknowledgement was lost, then its push closed the round); anything else is refused, and a straggler's
-        push is counted in its round's ``late_pushes``."""
+        push is counted in its round's ``late_pushes``. ``move_scale``: the fold's scale, when this push was
+        checked against its round's model before the round closed."""
         shared = self.shared
 
         def write(s: Session) -> bool:
@@ -181,6 +193,10 @@ class Uploads:
 
         if shared.writes.run(write):
             log.info(kv("update_stored", round=round_, client=client.id, duplicate=True, consumed=True))
-            return PushResult(True, True, round_, f"duplicate of an update consumed by round {round_}")
+            if move_scale is not None:
+                scale = move_scale
+            else:  # its round's model is gone: what a clipping fold scaled it by cannot be computed again (0)
+                scale = 0.0 if shared.settings.update_bounds.clips else 1.0
+            return PushResult(True, True, round_, f"duplicate of an update consumed by round {round_}", scale)
         log.warning(kv("late_push_refused", round=round_, client=client.id, update_id=update_id))
         raise refusal

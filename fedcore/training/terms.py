@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from fedcore.layers import AtomConv2d, LowRankConv2d, LowRankLinear, factors_to_matrix
 
 __all__ = [
+    "MOVE_GROUPS",
     "STATE_GROUPS",
     "LocalTerms",
     "RoundTerms",
@@ -29,11 +30,29 @@ __all__ = [
     "factor_pairs",
     "frobenius_penalty",
     "proximal_penalty",
+    "scale_move",
     "step_weight",
 ]
 
 #: Per-client state groups, each one tensor per trainable parameter, kept by the client between rounds.
 STATE_GROUPS = ("control", "gradient", "drift")
+
+#: The groups whose step is linear in the client's move ``y − x`` (FedDyn's ``−α(y − x)``, FedDC's ``y − x``).
+#: SCAFFOLD's ``c_i`` moves by the ``Δc_i`` it pushes, which the server folds as sent.
+MOVE_GROUPS = frozenset({"gradient", "drift"})
+
+
+def scale_move(
+    before: Mapping[str, Mapping[str, Tensor]], after: Mapping[str, Mapping[str, Tensor]], scale: float
+) -> dict[str, dict[str, Tensor]]:
+    """The state ``after`` a round whose move the server folded times ``scale`` (a clipped update): each move
+    group's step ``after − before`` times ``scale`` (``before`` is zero where the client held none yet)."""
+    out = {g: dict(values) for g, values in after.items()}
+    for g in MOVE_GROUPS:
+        if g in out:
+            old = before.get(g, {})
+            out[g] = {n: old[n] + scale * (t - old[n]) if n in old else scale * t for n, t in out[g].items()}
+    return out
 
 
 def factor_pairs(model: nn.Module) -> list[tuple[str, nn.Parameter, nn.Parameter]]:

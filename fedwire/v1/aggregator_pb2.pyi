@@ -7,6 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RoundOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUND_OUTCOME_UNSPECIFIED: _ClassVar[RoundOutcome]
+    ROUND_OUTCOME_OPEN: _ClassVar[RoundOutcome]
+    ROUND_OUTCOME_CLOSED: _ClassVar[RoundOutcome]
+    ROUND_OUTCOME_ABANDONED: _ClassVar[RoundOutcome]
+    ROUND_OUTCOME_UNKNOWN: _ClassVar[RoundOutcome]
+
 class TensorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TENSOR_KIND_UNSPECIFIED: _ClassVar[TensorKind]
@@ -19,6 +27,11 @@ class FetchPurpose(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FETCH_PURPOSE_UNSPECIFIED: _ClassVar[FetchPurpose]
     FETCH_PURPOSE_TRAIN: _ClassVar[FetchPurpose]
     FETCH_PURPOSE_EVALUATE: _ClassVar[FetchPurpose]
+ROUND_OUTCOME_UNSPECIFIED: RoundOutcome
+ROUND_OUTCOME_OPEN: RoundOutcome
+ROUND_OUTCOME_CLOSED: RoundOutcome
+ROUND_OUTCOME_ABANDONED: RoundOutcome
+ROUND_OUTCOME_UNKNOWN: RoundOutcome
 TENSOR_KIND_UNSPECIFIED: TensorKind
 TENSOR_KIND_MODEL: TensorKind
 TENSOR_KIND_SERVER_CONTROL: TensorKind
@@ -76,18 +89,22 @@ class RegisterReply(_message.Message):
     def __init__(self, client_id: _Optional[str] = ..., token: _Optional[str] = ..., tier: _Optional[float] = ..., model_spec_json: _Optional[str] = ..., federation: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., normalization_mean: _Optional[_Iterable[float]] = ..., normalization_std: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("round",)
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    round: int
+    def __init__(self, round: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("server_time_unix", "current_round", "last_closed_round")
+    __slots__ = ("server_time_unix", "current_round", "last_closed_round", "round_outcome")
     SERVER_TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
     CURRENT_ROUND_FIELD_NUMBER: _ClassVar[int]
     LAST_CLOSED_ROUND_FIELD_NUMBER: _ClassVar[int]
+    ROUND_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     server_time_unix: float
     current_round: int
     last_closed_round: int
-    def __init__(self, server_time_unix: _Optional[float] = ..., current_round: _Optional[int] = ..., last_closed_round: _Optional[int] = ...) -> None: ...
+    round_outcome: RoundOutcome
+    def __init__(self, server_time_unix: _Optional[float] = ..., current_round: _Optional[int] = ..., last_closed_round: _Optional[int] = ..., round_outcome: _Optional[_Union[RoundOutcome, str]] = ...) -> None: ...
 
 class GetTaskRequest(_message.Message):
     __slots__ = ("report", "wait_seconds")
@@ -218,16 +235,18 @@ class PushHeader(_message.Message):
     def __init__(self, round: _Optional[int] = ..., update_id: _Optional[str] = ..., num_samples: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., resume: _Optional[bool] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("accepted", "duplicate", "round", "message")
+    __slots__ = ("accepted", "duplicate", "round", "message", "move_scale")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    MOVE_SCALE_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     duplicate: bool
     round: int
     message: str
-    def __init__(self, accepted: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., round: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    move_scale: float
+    def __init__(self, accepted: _Optional[bool] = ..., duplicate: _Optional[bool] = ..., round: _Optional[int] = ..., message: _Optional[str] = ..., move_scale: _Optional[float] = ...) -> None: ...
 
 class UploadProgressRequest(_message.Message):
     __slots__ = ("update_id",)

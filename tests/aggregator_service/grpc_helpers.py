@@ -16,13 +16,12 @@ import numpy as np
 import torch
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
-from support import free_port, wait_serving  # noqa: F401  (re-exported for the service tests)
+from support import free_port, serve_aggregator, wait_serving  # noqa: F401  (re-exported for the service tests)
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings, FederationConfig
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.rounds import Federation, RoundPlan
-from aggregator_service.server import build_server
 from aggregator_service.updates import ClientUpdate
 from client_agent.state import ClientState
 from client_agent.transport import task_from_proto
@@ -58,17 +57,9 @@ class Service:
 
 def start_aggregator(url: str, federation: FederationConfig | None = None, **settings: Any) -> Service:
     """A real aggregator on an ephemeral loopback port over ``url`` (migrated), started; ``stop()`` it."""
-    s = AggregatorSettings(
-        listen="127.0.0.1:0",
-        database_url=url,
-        enrollment_secret=SECRET,
-        federation=federation or small_federation(),
-        **settings,
-    )
-    store.upgrade(url)
-    coordinator = Coordinator(s, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1_000)
-    server, port, _ = build_server(s, coordinator, max_workers=8)
-    server.start()
+    settings.setdefault("enrollment_secret", SECRET)
+    coordinator, server, port = serve_aggregator(url, federation=federation or small_federation(), **settings)
+    s = coordinator.shared.settings
     return Service(url, s, coordinator, server, port, grpc.insecure_channel(f"127.0.0.1:{port}"))
 
 

@@ -42,6 +42,37 @@ def test_one_per_client_the_oldest_dropped_past_capacity_and_each_for_its_lifeti
     assert closed == ["u1", "u2", "u3"] and len(kept) == 1
 
 
+def test_expire_closes_those_past_their_lifetime_without_any_other_call() -> None:
+    """What the server's ticker calls: on an idle server nothing else would let go of their spool files."""
+    clock, closed = Clock(), []
+    kept = KeptUploads(10**6, ttl_seconds=60, clock=clock)
+    kept.keep("c1", upload("u1", closed))
+    clock.now = 30
+    kept.keep("c2", upload("u2", closed))
+    clock.now = 60
+    kept.expire()  # c1's is 60 s old: not yet past its lifetime
+    assert closed == [] and len(kept) == 2
+    clock.now = 61
+    kept.expire()
+    assert closed == ["u1"] and len(kept) == 1
+    assert kept.take("c2", "u2") is not None  # the other one, left in place
+    clock.now = 1000
+    kept.expire()  # nothing kept: nothing to do
+    assert closed == ["u1"]
+
+
+def test_close_closes_every_kept_push() -> None:
+    clock, closed = Clock(), []
+    kept = KeptUploads(10**6, clock=clock)
+    kept.keep("c1", upload("u1", closed))
+    kept.keep("c2", upload("u2", closed))
+    kept.close()
+    assert sorted(closed) == ["u1", "u2"] and len(kept) == 0
+    assert kept.peek("c1", "u1") is None
+    kept.close()  # again: nothing more closed
+    assert sorted(closed) == ["u1", "u2"]
+
+
 def test_take_removes_without_closing_and_drop_closes() -> None:
     clock, closed = Clock(), []
     kept = KeptUploads(10**6, clock=clock)

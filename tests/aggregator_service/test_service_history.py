@@ -57,6 +57,36 @@ def _watermark_reads(coordinator: Coordinator) -> Iterator[list[str]]:
         event.remove(engine, "before_cursor_execute", before)
 
 
+@contextmanager
+def _failing_prune_commit(coordinator: Coordinator) -> Iterator[list[int]]:
+    """The commit of the next transaction that moves the retention watermark fails (before it reaches the
+    database); yields the in-memory watermark as it was then: what a concurrent ledger write would read."""
+    engine = coordinator.factory.kw["bind"]
+    seen: list[int] = []
+
+    def before(conn, cursor, statement, parameters, context, executemany) -> None:
+        if statement.lstrip().upper().startswith("UPDATE") and "history_pruned_through" in statement:
+            conn.info["moves_watermark"] = True
+
+    def commit(conn) -> None:
+        if conn.info.pop("moves_watermark", False) and not seen:
+            seen.append(coordinator.shared.history_pruned_through)
+            raise RuntimeError("the commit failed")
+
+    event.listen(engine, "before_cursor_execute", before)
+    event.listen(engine, "commit", commit)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", before)
+        event.remove(engine, "commit", commit)
+
+
+def _watermark(url: str) -> int:
+    with _connect(url) as conn:
+        return conn.execute(select(store.Federation.history_pruned_through)).scalar_one()
+
+
 def _ledger(url: str, client_id: str) -> dict[str, Any]:
     """The rounds with ``transfers`` and ``tensor_metrics`` rows, the ``eval_fetch`` transfers and their sums
     per round, and the client's lifetime bytes down."""
@@ -127,3 +157,35 @@ def test_late_transfers_skip_pruned_rounds_sqlite(start_service, sqlite_url) -> 
 @pytest.mark.usefixtures("postgres_url")
 def test_late_transfers_skip_pruned_rounds_postgres(start_service, postgres_url) -> None:
     _late_transfers_skip_pruned_rounds(start_service, postgres_url)
+
+
+def _a_failed_close_leaves_the_watermark(start_service, url: str) -> None:
+    """A close whose commit fails after its prune: the watermark in memory never runs ahead of the committed one.
+    On PostgreSQL nothing keeps a ledger write out of the close's commit; one that read the pruned round's
+    watermark would skip that round's detail rows, which the rolled-back prune would then never have deleted."""
+    service = start_service(url, federation=small_federation(rounds=5), history_rounds=1)
+    shared = service.coordinator.shared
+    clients = [register(service.stub, 1.0, d) for d in shards(2)]
+    for c in clients:
+        assert c.round_trip()[0] == 1
+    assert shared.history_pruned_through == _watermark(url) == 0
+    with _failing_prune_commit(service.coordinator) as seen:
+        for c in clients:  # the last push closes round 2, which prunes round 1: its commit fails
+            got, reply = c.round_trip()
+            assert got == 2 and reply.accepted
+    assert seen == [0]  # while the close committed: the old watermark
+    assert shared.history_pruned_through == _watermark(url) == 0
+    assert service.coordinator.federation.round == 1  # round 2 is still open
+
+    service.coordinator.tick()  # the close again, committed
+    assert service.coordinator.federation.round == 2
+    assert shared.history_pruned_through == _watermark(url) == 1
+
+
+def test_a_failed_close_leaves_the_watermark_sqlite(start_service, sqlite_url) -> None:
+    _a_failed_close_leaves_the_watermark(start_service, sqlite_url)
+
+
+@pytest.mark.usefixtures("postgres_url")
+def test_a_failed_close_leaves_the_watermark_postgres(start_service, postgres_url) -> None:
+    _a_failed_close_leaves_the_watermark(start_service, postgres_url)

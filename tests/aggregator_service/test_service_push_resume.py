@@ -8,6 +8,7 @@ in the bandwidth ledger.
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from support import spool_files, stored_update, wait_until
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings
+from aggregator_service.server import DeadlineTicker
 from aggregator_service.store.models import Transfer
 from client_agent.transport import AggregatorClient
 from fedcore import codec
@@ -185,6 +187,57 @@ def test_kept_push_bytes_zero_keeps_nothing(start_service, sqlite_url, tmp_path)
         AggregatorSettings(kept_push_bytes=-1)
 
 
+def test_the_ticker_lets_go_of_a_kept_push_past_its_lifetime_on_an_idle_server(start_service, sqlite_url, tmp_path):
+    """No push breaks off or resumes after it, no GetUploadProgress: only the ticker's housekeeping closes it."""
+    service, a, task, push, spool = _setup(start_service, sqlite_url, tmp_path)
+    servicer = service.server.aggregator_servicer
+    ticker = DeadlineTicker(service.coordinator, interval=0.05, housekeeping=servicer.housekeeping)
+    ticker.start()
+    try:
+        header = pb.PushHeader(round=task.train.round, update_id="idle", num_samples=push.num_samples)
+        progress, held, _ = _break_off(service, a, header, list(push.tensors.items()), spool, 1)
+        assert progress.kept and spool_files(spool) == [held]
+        servicer._kept.ttl_seconds = 0.5  # its hour, shortened once it is kept
+        assert wait_until(lambda: spool_files(spool) == [], 30), "the ticker closed the kept spool file"
+        assert ticker.is_alive() and ticker.failures == 0
+    finally:
+        ticker.stop()
+        ticker.join(10)
+    assert not service.stub.GetUploadProgress(pb.UploadProgressRequest(update_id="idle"), metadata=a.auth).kept
+
+
+def test_a_failing_housekeeping_is_a_failing_tick_and_runs_when_the_tick_fails(
+    start_service, sqlite_url, monkeypatch, caplog
+) -> None:
+    service = start_service(sqlite_url)
+    ran: list[bool] = []
+    failure = [OSError("spool unreadable")]
+
+    def housekeeping() -> None:
+        ran.append(True)
+        if failure:
+            raise failure.pop()
+
+    def database_away() -> None:
+        raise RuntimeError("database away")
+
+    ticker = DeadlineTicker(service.coordinator, housekeeping=housekeeping)
+    caplog.set_level(logging.INFO, logger="fedatoms.aggregator")
+    ticker.tick_once()  # the housekeeping fails
+    with monkeypatch.context() as patch:
+        patch.setattr(service.coordinator, "tick", database_away)
+        ticker.tick_once()  # the coordinator's tick fails: the housekeeping runs all the same
+    ticker.tick_once()
+    records = [r for r in caplog.records if r.getMessage().startswith(("event=tick_failed", "event=tick_recovered"))]
+    assert [r.getMessage() for r in records] == [
+        'event=tick_failed failures=1 error="OSError: spool unreadable"',
+        'event=tick_failed failures=2 error="RuntimeError: database away"',
+        "event=tick_recovered failures=2",
+    ]
+    assert [r.exc_info is not None for r in records] == [True, True, False]
+    assert len(ran) == 3
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_resume_that_does_not_continue_the_kept_stream_starts_over(start_service, request, backend, tmp_path) -> None:
     """Its tensors in another order (a client rebuilt the update differently): ABORTED, which the client
@@ -236,3 +289,43 @@ def test_an_agent_pushing_a_saved_update_asks_first_and_sends_only_the_rest(star
     stored = stored_update(sqlite_url, task.train.round)
     for name, tensor in push.tensors.items():
         np.testing.assert_array_equal(stored[name], tensor.numpy())
+
+
+def test_one_progress_call_per_client_waits_at_a_time(start_service, sqlite_url, tmp_path) -> None:
+    """GetUploadProgress ends the client's push in flight and waits for it; a push waiting at the full gate
+    ends only once it gets in. A second GetUploadProgress of the same client meanwhile is UNAVAILABLE, so
+    the call cannot hold more than one server thread per client."""
+    service, a, task, push, spool = _setup(start_service, sqlite_url, tmp_path, max_concurrent_pushes=1)
+    c = register(service.stub, 1.0, shards(1)[0])  # enrolled after round 1 opened: its push still takes the gate
+    servicer = service.server.aggregator_servicer
+    name, tensor = sorted(push.tensors.items())[0]
+    first = next(codec.iter_chunks(name, codec.encode(tensor, name=name), chunk_bytes=64))
+    stall = threading.Event()
+
+    def stalled(update_id: str, chunk: bool):
+        yield pb.PushMessage(header=pb.PushHeader(round=task.train.round, update_id=update_id, num_samples=10))
+        if chunk:
+            yield pb.PushMessage(chunk=framing.from_chunk(first, pb.TENSOR_KIND_MODEL))
+        stall.wait(60)
+
+    inside = service.stub.PushUpdate.future(stalled("c-1", True), metadata=c.auth)
+    waiting = service.stub.PushUpdate.future(stalled("a-1", False), metadata=a.auth)
+    asked = None
+    try:
+        assert wait_until(lambda: spool_files(spool) == [64], 30), "c's push holds the gate's one slot"
+        assert wait_until(lambda: servicer._pushes.in_line == 1, 30), "a's push waits in the gate's line"
+        request = pb.UploadProgressRequest(update_id="a-1")
+        asked = service.stub.GetUploadProgress.future(request, metadata=a.auth)
+        assert wait_until(lambda: a.client_id in servicer._progress_calls, 30), "the first one waits for a's push"
+        with pytest.raises(grpc.RpcError) as second:
+            service.stub.GetUploadProgress(request, metadata=a.auth, timeout=30)
+        assert second.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "already waiting" in (second.value.details() or "")
+    finally:
+        stall.set()  # c's stream ends: a's push gets in, finds itself ended, and the first call answers
+    answer = asked.result(timeout=30) if asked is not None else None
+    assert answer is not None and (answer.tensors, answer.offset) == (0, 0)  # a's push had sent no chunk
+    for call in (inside, waiting):
+        with pytest.raises((grpc.RpcError, grpc.FutureCancelledError)):
+            call.result(timeout=30)
+    assert servicer._progress_calls == set()

@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 from pretend_cuda import NEEDS_NO_GPU, pretend_cuda
 from processes import SECRET, Aggregator, federation_toml, free_port
+from support import serve_aggregator
 
 from aggregator_service import store
-from aggregator_service.config import AggregatorSettings, FederationConfig
-from aggregator_service.coordinator import Coordinator
-from aggregator_service.server import build_server
+from aggregator_service.config import FederationConfig
 from client_agent.agent import Agent
 from client_agent.state import ClientState
 from client_agent.transport import AggregatorClient
@@ -41,17 +40,12 @@ def test_an_agent_restarted_with_a_device_evaluates_there_what_it_trained_on_the
     back with ``device="cpu"`` on a machine where ``auto`` is CUDA: it evaluates round 1 on the CPU."""
     url = f"sqlite:///{tmp_path / 'agg.db'}"
     federation = FederationConfig(model="digits-cnn", fraction=1.0, min_clients=2, rounds=1, batch_size=32)
-    settings = AggregatorSettings(
-        listen="127.0.0.1:0",
-        database_url=url,
+    _, server, port = serve_aggregator(
+        url,
         enrollment_secret=SECRET,
         poll_interval_seconds=0.01,
         federation=federation,
     )
-    store.upgrade(url)
-    coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
-    server, port, _ = build_server(settings, coordinator, max_workers=8)
-    server.start()
     train, test = load_dataset("digits")
     channels: list[AggregatorClient] = []
 

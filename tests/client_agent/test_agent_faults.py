@@ -20,11 +20,10 @@ from processes import (
 )
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
+from support import serve_aggregator
 
 from aggregator_service import store
-from aggregator_service.config import AggregatorSettings, FederationConfig
-from aggregator_service.coordinator import Coordinator
-from aggregator_service.server import build_server
+from aggregator_service.config import FederationConfig
 from client_agent.agent import CREDENTIALS_FILE
 from client_agent.state import ClientState
 from client_agent.transport import AggregatorClient, Backoff, task_from_proto
@@ -135,16 +134,11 @@ def test_clients_ride_through_an_aggregator_restart(tmp_path: Path) -> None:
 
 def test_push_cut_mid_stream_is_retried_with_its_id_and_counted_once(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'agg.db'}"
-    settings = AggregatorSettings(
-        listen="127.0.0.1:0",
-        database_url=url,
+    coordinator, server, port = serve_aggregator(
+        url,
         enrollment_secret=SECRET,
         federation=FederationConfig(model="digits-cnn", fraction=1.0, min_clients=2, rounds=2, batch_size=32),
     )
-    store.upgrade(url)
-    coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
-    server, port, _ = build_server(settings, coordinator, max_workers=8)
-    server.start()
     proxy = LinkProxy(port, cut_after=64 * 1024)
     retries: list[float] = []
     client = AggregatorClient(f"127.0.0.1:{proxy.port}", backoff=Backoff(base=0.05), sleep=retries.append)
@@ -242,16 +236,12 @@ def test_bad_partition_index_is_a_usage_error(tmp_path: Path) -> None:
 def test_grpc_errors_other_than_transient_are_not_retried(tmp_path: Path) -> None:
     """INVALID_ARGUMENT (a bad tensor) surfaces at once: retrying cannot fix it."""
     url = f"sqlite:///{tmp_path / 'agg.db'}"
-    settings = AggregatorSettings(
-        listen="127.0.0.1:0",
-        database_url=url,
+    _, server, port = serve_aggregator(
+        url,
+        max_workers=4,
         enrollment_secret=SECRET,
         federation=FederationConfig(model="digits-cnn", fraction=1.0, min_clients=1, rounds=1),
     )
-    store.upgrade(url)
-    coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
-    server, port, _ = build_server(settings, coordinator, max_workers=4)
-    server.start()
     retries: list[float] = []
     client = AggregatorClient(f"127.0.0.1:{port}", sleep=retries.append)
     try:
@@ -276,18 +266,13 @@ def test_agent_waiting_on_an_abandoned_round_moves_on_to_the_next(tmp_path: Path
     from client_agent.agent import Agent
 
     url = f"sqlite:///{tmp_path / 'agg.db'}"
-    settings = AggregatorSettings(
-        listen="127.0.0.1:0",
-        database_url=url,
+    coordinator, server, port = serve_aggregator(
+        url,
         enrollment_secret=SECRET,
         quorum=1.0,
         poll_interval_seconds=0.01,
         federation=FederationConfig(model="digits-cnn", fraction=1.0, min_clients=2, rounds=3, batch_size=32),
     )
-    store.upgrade(url)
-    coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
-    server, port, _ = build_server(settings, coordinator, max_workers=8)
-    server.start()
     train, test = load_dataset("digits")
     channel = AggregatorClient(f"127.0.0.1:{port}")
     silent = AggregatorClient(f"127.0.0.1:{port}")
@@ -310,7 +295,9 @@ def test_agent_waiting_on_an_abandoned_round_moves_on_to_the_next(tmp_path: Path
         assert agent.state is not None and agent.state.evaluate_round == 1  # pushed, waiting for round 1 to close
         deadline = coordinator.shared.open.deadline
         coordinator.tick(deadline + timedelta(seconds=1))  # no quorum: extended once
-        coordinator.tick(deadline + timedelta(seconds=settings.deadline_seconds + 2))  # still none: abandoned
+        coordinator.tick(
+            deadline + timedelta(seconds=coordinator.shared.settings.deadline_seconds + 2)
+        )  # still none: abandoned
         assert coordinator.open_round is None  # and nobody has asked for round 2 yet
         agent.step()  # round 1 is neither open nor closed: it was abandoned
         assert agent.state.evaluate_round is None

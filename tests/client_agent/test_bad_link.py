@@ -17,12 +17,9 @@ import pytest
 import torch
 from links import LinkProxy
 from processes import ENV, ROOT, SECRET, free_port, wait_for
-from support import stored_update
+from support import serve_aggregator, stored_update
 
-from aggregator_service import store
-from aggregator_service.config import AggregatorSettings, FederationConfig
-from aggregator_service.coordinator import Coordinator
-from aggregator_service.server import build_server
+from aggregator_service.config import FederationConfig
 from client_agent.state import ClientState
 from client_agent.transport import AggregatorClient, Backoff
 from fedcore.tiers import CapabilityProfile
@@ -34,16 +31,11 @@ pytestmark = pytest.mark.slow
 def aggregator(tmp_path: Path, model: str) -> Iterator[int]:
     """An aggregator in this process on a loopback port, with a real SQLite file; yields the port."""
     url = f"sqlite:///{tmp_path / 'agg.db'}"
-    settings = AggregatorSettings(
-        listen="127.0.0.1:0",
-        database_url=url,
+    _, server, port = serve_aggregator(
+        url,
         enrollment_secret=SECRET,
         federation=FederationConfig(model=model, fraction=1.0, min_clients=2, rounds=2, batch_size=32),
     )
-    store.upgrade(url)
-    coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
-    server, port, _ = build_server(settings, coordinator, max_workers=8)
-    server.start()
     try:
         yield port
     finally:
@@ -198,9 +190,8 @@ def test_a_push_that_arrives_after_its_round_closed_leaves_the_clients_strategy_
     from fedcore.data import load_dataset
 
     url = f"sqlite:///{tmp_path / 'agg.db'}"
-    settings = AggregatorSettings(
-        listen="127.0.0.1:0",
-        database_url=url,
+    coordinator, server, port = serve_aggregator(
+        url,
         enrollment_secret=SECRET,
         quorum=0.5,
         poll_interval_seconds=0.01,
@@ -208,10 +199,6 @@ def test_a_push_that_arrives_after_its_round_closed_leaves_the_clients_strategy_
             model="digits-cnn", strategy="scaffold", fraction=1.0, min_clients=2, rounds=2, batch_size=32
         ),
     )
-    store.upgrade(url)
-    coordinator = Coordinator(settings, store.session_factory(store.create_engine_for(url)), enrollment_iterations=1000)
-    server, port, _ = build_server(settings, coordinator, max_workers=8)
-    server.start()
     proxy = LinkProxy(port, up_rate=200_000)  # b's 1.2 MB push (update and control delta) takes about 6 s
     train, test = load_dataset("digits")
     links = {"a": AggregatorClient(f"127.0.0.1:{port}"), "b": AggregatorClient(proxy.target)}
@@ -245,6 +232,9 @@ def test_a_push_that_arrives_after_its_round_closed_leaves_the_clients_strategy_
         coordinator.tick(coordinator.shared.open.deadline + timedelta(seconds=1))  # quorum met: closes on a alone
         late.join(120)
         assert b.state is not None and b.state.pending is None and b.state.last_round == 1  # trained, refused
+        assert a.state.taken is not None
+        a.step()  # a learns round 1 closed: it keeps its c_i (and evaluates)
+        assert a.state.taken is None and b.state.taken is None
         control = links["a"].fetch(a.spec, {}, include_server_control=True).control  # type: ignore[arg-type]
     finally:
         for link in links.values():

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from client_agent.state import STATE_FILE, ClientState, PendingUpdate
+from client_agent.state import STATE_FILE, ClientState, PendingUpdate, TakenUpdate
 
 
-def test_state_round_trips_with_a_pending_update(tmp_path: Path) -> None:
+def test_state_round_trips_with_a_pending_update_and_a_taken_one(tmp_path: Path) -> None:
     state = ClientState(
         "c1",
         0.25,
@@ -34,6 +34,7 @@ def test_state_round_trips_with_a_pending_update(tmp_path: Path) -> None:
         True,
         strategy_state={"control": {"a": torch.full((2, 3), 0.25)}},  # kept only once the push is taken
     )
+    state.taken = TakenUpdate(4, {"drift": {"a": torch.full((2, 3), 2.5)}})  # kept once round 4 is seen closed
     state.save(tmp_path)
     back = ClientState.load(tmp_path)
     assert back is not None
@@ -65,6 +66,10 @@ def test_state_round_trips_with_a_pending_update(tmp_path: Path) -> None:
     )
     assert p.control_delta is not None and torch.equal(p.control_delta["a"], torch.zeros(2, 3))
     assert set(back.strategy_state) == {"control", "drift"}  # the pending update's is not among them
+    assert torch.equal(back.strategy_state["drift"]["a"], torch.full((2, 3), -1.5))  # nor the taken one's
+    t = back.taken
+    assert t is not None and t.round == 4 and set(t.strategy_state) == {"drift"}
+    assert torch.equal(t.strategy_state["drift"]["a"], torch.full((2, 3), 2.5))
     assert set(p.strategy_state) == {"control"} and torch.equal(
         p.strategy_state["control"]["a"], torch.full((2, 3), 0.25)
     )

@@ -511,3 +511,21 @@ def test_empty_or_mismatched_data_is_rejected() -> None:
         local_update(model, Toy(torch.zeros(0, 1, 8, 8), torch.zeros(0, dtype=torch.long)), cfg(), seed=0)
     with pytest.raises(ValueError, match="labels"):
         local_update(model, Toy(torch.zeros(3, 1, 8, 8), torch.zeros(2, dtype=torch.long)), cfg(), seed=0)
+
+
+def test_scale_move_scales_only_the_steps_that_follow_the_move() -> None:
+    """FedDyn's and FedDC's steps are linear in the move, so a move folded at half its length is half the step;
+    SCAFFOLD's c_i moves by the Δc_i it pushed, which the server folds as sent."""
+    from fedcore.training.terms import scale_move
+
+    before = {"gradient": {"w": torch.tensor([1.0, 2.0])}, "control": {"w": torch.tensor([5.0])}}
+    after = {
+        "gradient": {"w": torch.tensor([3.0, -6.0])},
+        "drift": {"w": torch.tensor([4.0, 8.0])},  # none held before: the step is the value
+        "control": {"w": torch.tensor([9.0])},
+    }
+    out = scale_move(before, after, 0.5)
+    assert torch.equal(out["gradient"]["w"], torch.tensor([2.0, -2.0]))
+    assert torch.equal(out["drift"]["w"], torch.tensor([2.0, 4.0]))
+    assert torch.equal(out["control"]["w"], torch.tensor([9.0]))
+    assert torch.equal(after["gradient"]["w"], torch.tensor([3.0, -6.0]))  # the input is left as it was

@@ -1,0 +1,60 @@
+"""PushReply.move_scale: what the fold scales a clipped update's move by, told at push.
+
+Hand-built updates whose move from the round's model has a known length: the global model plus
+``d`` on one tensor's first entry, so ``‖Δ‖₂ = d``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from grpc_helpers import register, shards, small_federation
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request: pytest.FixtureRequest) -> str:
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
+
+
+def moved_by(client, d: float) -> dict:
+    """The round's model with one entry moved by ``d``."""
+    client.fetch()
+    tensors = {n: t.clone() for n, t in client.state.global_tensors.items()}
+    first = next(n for n, t in sorted(tensors.items()) if t.is_floating_point() and t.numel() > 0)
+    tensors[first].view(-1)[0] += d
+    return tensors
+
+
+@pytest.mark.parametrize(("mode", "d", "expected"), [("clip", 3.0, 0.5), ("clip", 1.0, 1.0), ("reject", 1.0, 1.0)])
+def test_the_reply_says_what_the_fold_scales_the_move_by(
+    start_service, url: str, mode: str, d: float, expected: float
+) -> None:
+    svc = start_service(
+        url,
+        small_federation(factorization="none", tiers=[1.0], min_clients=1),
+        max_update_norm=1.5,
+        update_norm_mode=mode,
+    )
+    a = register(svc.stub, 1.0, shards(1, 60)[0])
+    assert a.task().train.round == 1
+    tensors = moved_by(a, d)
+    reply = a.push(1, tensors, update_id="u1")
+    assert reply.accepted and reply.move_scale == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_retry_answers_the_same_scale_and_one_its_round_folded_cannot(start_service, url: str) -> None:
+    svc = start_service(
+        url,
+        small_federation(factorization="none", tiers=[1.0]),
+        max_update_norm=1.5,
+        update_norm_mode="clip",
+    )
+    data = shards(2, 60)
+    a, b = register(svc.stub, 1.0, data[0]), register(svc.stub, 1.0, data[1])
+    assert a.task().train.round == 1 and b.task().train.round == 1
+    tensors = moved_by(a, 6.0)
+    assert a.push(1, tensors, update_id="u1").move_scale == pytest.approx(0.25, rel=1e-6)
+    again = a.push(1, tensors, update_id="u1")  # its acknowledgement was lost: the round still holds it
+    assert again.duplicate and again.move_scale == pytest.approx(0.25, rel=1e-6)
+    assert b.push(1, moved_by(b, 0.5), update_id="u2").move_scale == 1.0  # completes the round: it closes
+    late = a.push(1, tensors, update_id="u1")
+    assert late.duplicate and late.move_scale == 0.0  # round 1's model is gone: not known any more
