@@ -24,6 +24,7 @@ from aggregator_service.refactorization import TIER_INITS, Spectra, refactorize
 from aggregator_service.strategies import RoundAccumulator, Strategy
 from aggregator_service.update_bounds import UpdateBounds
 from aggregator_service.updates import AggregateResult, ClientUpdate
+from fedcore import codec
 from fedcore.keys import derive_seed
 from fedcore.spec import ModelSpec
 
@@ -143,6 +144,8 @@ class Federation:
         self.round = 0
         self.cohort: tuple[str, ...] = ()
         self._tier_cache: tuple[tuple[int, ...], dict[float, dict[str, Tensor]]] = ((), {})
+        #: tier → (versions, the full-rank values its clients start from): what update bounds measure moves from
+        self._received: dict[float, tuple[tuple[int, ...], dict[str, Tensor]]] = {}
         #: the round-start tensors' SVDs, shared by the tiers' cuts and the held average
         self._spectra = Spectra()
         self._tier_specs: dict[float, ModelSpec] = {}
@@ -162,6 +165,7 @@ class Federation:
         memo: dict[int, Any] = {
             id(self.spec): self.spec,
             id(self._tier_cache): ((), {}),
+            id(self._received): {},
             id(self._tier_specs): self._tier_specs,
             id(self._spectra): self._spectra,
         }
@@ -198,6 +202,19 @@ class Federation:
             )
             self._tier_cache = (key, per_tier)
         return per_tier[tier]
+
+    def received(self, tier: float) -> dict[str, Tensor]:
+        """The full-rank values a client of ``tier`` starts its round from: its cut of the global model as the
+        wire delivers it (fp16 transport rounds it), aligned to full rank (FedHM eq. 1).
+
+        A client's move is measured from here (:mod:`.update_bounds`): a low tier never held the directions
+        past its rank, so the global model's part there (the cut's residual) is no part of its move."""
+        key = tuple(self.versions.values())
+        hit = self._received.get(tier)
+        if hit is None or hit[0] != key:
+            cut = {n: codec.as_delivered(t, self.fp16) for n, t in self.tier_tensors(tier).items()}
+            hit = self._received[tier] = (key, self.tier_spec(tier).to_full(cut))
+        return hit[1]
 
     def tier_versions(self, tier: float) -> dict[str, int]:
         return {t.name: self.versions[t.full_name or t.name] for t in self.tier_spec(tier).tensors}
@@ -252,8 +269,8 @@ class Federation:
             raise RuntimeError("no open round")
         if update.client_id not in self._plan.cohort:
             raise ValueError(f"client {update.client_id} is not in round {self._plan.round}'s cohort")
-        if self.bounds is not None:
-            update = self.bounds.clip(update, self.global_tensors)
+        if self.bounds is not None and self.bounds.clips:
+            update = self.bounds.clip(update, self.received(update.tier))
         self.strategy.fold(self._acc, update)
         self._fold_order.append(update.client_id)
 

@@ -10,9 +10,13 @@ averages, so a tier-1/4 client's factors count through their product ``U Vᵀ``:
   (or merely dwarfs any trained weight) are refused at push, instead of failing the round's close.
   It bounds the change, not the value: a global model that a bad round (or a tier average, which
   is not convex entry by entry) put past ``max_value`` still takes every honest update after it.
-* a norm bound (the operator's option): ``‖Δ‖₂ ≤ max_norm`` for ``Δ = aligned − global`` over
-  the update's floating-point tensors. ``reject`` refuses the push; ``clip`` folds
-  ``global + Δ · min(1, max_norm/‖Δ‖)``, the fixed clipping of DP-FedAvg (McMahan et al. 2018,
+* a norm bound (the operator's option): ``‖Δ‖₂ ≤ max_norm`` for the client's move
+  ``Δ = aligned − received`` over the update's floating-point tensors, where ``received`` is the model
+  the client started from: its tier's cut of the global model as the wire delivered it, aligned to
+  full rank (``Federation.received``). Measured from the global model instead, a low tier's move
+  would count the cut's residual, which it never held (8.3 for the digits CNN with atoms-lowrank at
+  tier 1/8, round 0), and fp16 transport's rounding. ``reject`` refuses the push; ``clip`` folds
+  ``received + Δ · min(1, max_norm/‖Δ‖)``, the fixed clipping of DP-FedAvg (McMahan et al. 2018,
   Flower's ``DifferentialPrivacyServerSideFixedClipping`` without the noise).
 """
 
@@ -50,8 +54,15 @@ class UpdateBounds:
         if self.max_norm is not None and not (self.max_norm > 0 and math.isfinite(self.max_norm)):
             raise ValueError(f"max_update_norm must be a finite number > 0, got {self.max_norm}")
 
-    def check(self, spec: ModelSpec, tensors: Mapping[str, Tensor], global_tensors: Mapping[str, Tensor]) -> None:
-        """At push: refuse (InvalidArgument) an update over the magnitude bound, or the norm bound in reject mode."""
+    def check(
+        self,
+        spec: ModelSpec,
+        tensors: Mapping[str, Tensor],
+        global_tensors: Mapping[str, Tensor],
+        received: Mapping[str, Tensor],
+    ) -> None:
+        """At push: refuse (InvalidArgument) an update over the magnitude bound (from ``global_tensors``), or the
+        norm bound in reject mode (its move from ``received``, the model the client started from)."""
         for name, peak in _peaks(spec, tensors, global_tensors, self.max_value).items():
             if not peak <= self.max_value:  # NaN and inf fail too
                 raise InvalidArgument(
@@ -59,7 +70,7 @@ class UpdateBounds:
                     f"over max_update_value = {self.max_value:g}: no training step moves a weight that far"
                 )
         if self.max_norm is not None and self.mode == "reject":
-            norm = delta_norm(_aligned(spec, tensors), global_tensors)
+            norm = delta_norm(_aligned(spec, tensors), received)
             if norm > self.max_norm:
                 raise InvalidArgument(
                     f"the update moves the model by ‖Δ‖₂ = {norm:.4g}, over max_update_norm = {self.max_norm:g}: "
@@ -70,29 +81,30 @@ class UpdateBounds:
     def clips(self) -> bool:
         return self.max_norm is not None and self.mode == "clip"
 
-    def move_scale(self, spec: ModelSpec, tensors: Mapping[str, Tensor], global_tensors: Mapping[str, Tensor]) -> float:
+    def move_scale(self, spec: ModelSpec, tensors: Mapping[str, Tensor], received: Mapping[str, Tensor]) -> float:
         """The factor the fold scales this update's ``Δ`` by: ``max_norm/‖Δ‖`` in clip mode when it is longer, else
         1. Told to the client at push (``PushReply.move_scale``): its strategy state follows the move folded."""
         if not self.clips:
             return 1.0
-        return self._scale(_aligned(spec, tensors), global_tensors)
+        return self._scale(_aligned(spec, tensors), received)
 
-    def _scale(self, aligned: Mapping[str, Tensor], global_tensors: Mapping[str, Tensor]) -> float:
+    def _scale(self, aligned: Mapping[str, Tensor], received: Mapping[str, Tensor]) -> float:
         assert self.max_norm is not None
-        norm = delta_norm(aligned, global_tensors)
+        norm = delta_norm(aligned, received)
         return 1.0 if norm <= self.max_norm else self.max_norm / norm
 
-    def clip(self, update: ClientUpdate, global_tensors: Mapping[str, Tensor]) -> ClientUpdate:
-        """At fold, in clip mode: the update with ``Δ`` scaled to ``max_norm`` when it is longer; else unchanged."""
+    def clip(self, update: ClientUpdate, received: Mapping[str, Tensor]) -> ClientUpdate:
+        """At fold, in clip mode: the update with its move from ``received`` scaled to ``max_norm`` when it is
+        longer; else unchanged."""
         if not self.clips:
             return update
         aligned = _aligned(update.spec, update.tensors)
-        scale = self._scale(aligned, global_tensors)
+        scale = self._scale(aligned, received)
         if scale == 1.0:
             return update
         clipped = {}
         for name, t in aligned.items():
-            g = global_tensors[name]
+            g = received[name]
             clipped[name] = (g.double() + (t.double() - g.double()) * scale).to(g.dtype) if t.is_floating_point() else t
         return replace(update, aligned=clipped)
 

@@ -34,6 +34,7 @@ __all__ = [
     "EncodedTensor",
     "Reassembler",
     "all_finite",
+    "as_delivered",
     "decode",
     "encode",
     "encoded_size",
@@ -117,6 +118,13 @@ def _as_numpy(array: npt.ArrayLike | torch.Tensor, tensor: str) -> np.ndarray:
         except TypeError as exc:  # e.g. bfloat16 has no numpy equivalent
             raise CodecError(tensor, f"unsupported dtype {t.dtype} ({exc})", "unsupported_dtype") from exc
     return np.asarray(array)
+
+
+def as_delivered(tensor: torch.Tensor, fp16: bool) -> torch.Tensor:
+    """``tensor`` as the receiver decodes it: rounded through float16 where :func:`encode` would send it so."""
+    if fp16 and str(tensor.dtype) in ("torch.float32", "torch.float64"):  # without importing torch here
+        return tensor.half().to(tensor.dtype)
+    return tensor
 
 
 def encode(array: npt.ArrayLike | torch.Tensor, *, fp16: bool = False, name: str = "<unnamed>") -> EncodedTensor:

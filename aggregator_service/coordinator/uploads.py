@@ -122,12 +122,15 @@ class Uploads:
                 due = fed.tier_due(client.tier, op.plan.due)
                 scaffold = bool(fed.strategy.client_config().get("scaffold"))
                 start = dict(fed.global_tensors)  # the values this round began from (a close replaces, never mutates)
+                bounds = shared.settings.update_bounds
+                # what this client started from, when a norm bound measures its move (cached per tier and version)
+                received = fed.received(client.tier) if bounds.max_norm is not None else start
         except _LatePush as late:  # answered outside the lock: it writes
             return self._refuse_late(client, round_, update_id, late), None
         model, deltas = check_tensors(spec, round_, due, tensors, control_delta, scaffold=scaffold)
-        bounds, as_tensors = shared.settings.update_bounds, {n: torch.from_numpy(a) for n, a in model.items()}
-        bounds.check(spec, as_tensors, start)
-        move_scale = bounds.move_scale(spec, as_tensors, start)  # the fold's clip, from the same round model
+        as_tensors = {n: torch.from_numpy(a) for n, a in model.items()}
+        bounds.check(spec, as_tensors, start, received)
+        move_scale = bounds.move_scale(spec, as_tensors, received)  # the fold's clip, from the same round model
         del as_tensors
         size = nbytes if nbytes is not None else sum(a.nbytes for a in [*model.values(), *(deltas or {}).values()])
         if tensor_bytes is None:

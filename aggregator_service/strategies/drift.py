@@ -18,6 +18,7 @@ from aggregator_service.strategies.base import RoundAccumulator
 from aggregator_service.strategies.scaffold import ScaffoldAccumulator
 from aggregator_service.updates import ClientUpdate
 from aggregator_service.weighted_mean import WeightedMean
+from fedcore import codec
 from fedcore.spec import ModelSpec
 
 __all__ = ["DriftAccumulator", "DriftFold", "mean_drift", "trainable_shapes"]
@@ -65,6 +66,6 @@ def mean_drift(
     out = {}
     for name, mean in acc.uniform.mean(cast=False).items():
         x = global_tensors[name].detach()
-        x = (x.to(torch.float16) if fp16 else x).to(torch.float64)
+        x = codec.as_delivered(x, fp16).to(torch.float64)
         out[name] = (count / max(num_clients_total, count)) * (mean - x)
     return out

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fedcore import codec
 from fedcore.layers import AtomConv2d, LowRankConv2d, LowRankLinear, factors_to_matrix
 
 __all__ = [
@@ -153,11 +154,6 @@ def _alpha(key: str, value: Any) -> float:
     return float(value)
 
 
-def _through_fp16(t: Tensor) -> Tensor:
-    """``t`` as float16 transport delivers it."""
-    return t.to(torch.float16).to(t.dtype)
-
-
 @dataclass(frozen=True)
 class LocalTerms:
     """The client-side terms of a strategy, as its ``client_config()`` names them (all off by default).
@@ -270,7 +266,8 @@ class RoundTerms:
         """The client's state after the round, and SCAFFOLD's ``Δc_i = c_i⁺ − c_i`` (what the server needs)."""
         new: dict[str, dict[str, Tensor]] = {}
         delta = None
-        wire = _through_fp16 if self.terms.fp16_transport else (lambda t: t)  # what the server will receive
+        fp16 = self.terms.fp16_transport
+        wire = lambda t: codec.as_delivered(t, fp16)  # noqa: E731  # what the server will receive
         moved = {n: wire(p.detach()) - self.start[n] for n, p in params.items()}  # y − x
         if self.server_control is not None:
             scale = step_weight(steps, lr, momentum)

@@ -143,3 +143,56 @@ def test_the_magnitude_bound_limits_the_change_so_a_model_past_it_still_learns(s
     assert a.push(3, _shifted(svc.url, 0.0)).accepted
     assert b.push(3, _shifted(svc.url, -0.5)).accepted  # the last round (of 3) closes: equal weights
     assert torch.allclose(global_tensors(svc.url)[NAME][0].double(), start - 0.25, atol=1e-6)
+
+
+def _received_moved(client, norm: float) -> dict[str, torch.Tensor]:
+    """The model ``client`` fetched for its tier, as the wire delivered it, with ``head.bias`` moved by ``norm``."""
+    client.fetch()
+    # float32, as the model trains: a move added in float16 would be rounded
+    tensors = {n: t.float() if t.is_floating_point() else t.clone() for n, t in client.state.global_tensors.items()}
+    tensors[NAME] = tensors[NAME] + norm / math.sqrt(tensors[NAME].numel())
+    return tensors
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_low_tiers_move_is_measured_from_the_cut_it_received(start_service, request, backend) -> None:
+    """A tier-1/8 client never held the global model past its rank: pushing back its cut unchanged moves
+    nothing, however far the cut lies from the full model (‖W − W_r‖ is several times this bound)."""
+    svc = start_service(
+        request.getfixturevalue(f"{backend}_url"), small_federation(tiers=[1.0, 0.125]), max_update_norm=BOUND
+    )
+    data = shards(2)
+    full, low = register(svc.stub, 1.0, data[0]), register(svc.stub, 0.125, data[1])
+    assert low.task().train.round == 1
+    before = snapshot(svc.url)
+    with pytest.raises(grpc.RpcError) as err:  # moved by twice the bound: refused, with that norm
+        low.push(1, _received_moved(low, 2 * BOUND), update_id="too-far")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    said = re.search(r"‖Δ‖₂ = ([0-9.e+-]+), over max_update_norm", err.value.details())
+    assert said is not None and float(said.group(1)) == pytest.approx(2 * BOUND, rel=1e-3)
+    assert snapshot(svc.url) == before
+    assert low.push(1, _received_moved(low, 0.0), update_id="unchanged").accepted
+    round_, reply = full.round_trip()
+    assert round_ == 1 and reply.accepted
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_under_fp16_transport_a_move_is_measured_from_the_rounded_model(start_service, request, backend) -> None:
+    """With fp16 transport a client starts from the global model rounded to float16: pushing it back unchanged
+    moves nothing, although it differs from the server's float32 model by the rounding; the clip scales the
+    move from there."""
+    url = request.getfixturevalue(f"{backend}_url")
+    svc = start_service(
+        url,
+        small_federation(factorization="none", tiers=[1.0], fp16=True),
+        max_update_norm=1e-4,
+        update_norm_mode="clip",
+    )
+    data = shards(2)
+    a, b = register(svc.stub, 1.0, data[0]), register(svc.stub, 1.0, data[1])
+    assert a.task().train.round == 1 and b.task().train.round == 1
+    exact = {n: t.double() for n, (t, _v) in global_tensors(url).items()}
+    rounding = math.sqrt(sum(float(((t.half().double() - t) ** 2).sum()) for t in exact.values()))
+    assert rounding > 1e-3  # the rounding alone is ten times the bound
+    assert a.push(1, _received_moved(a, 0.0), update_id="a").move_scale == 1.0
+    assert b.push(1, _received_moved(b, 4e-4), update_id="b").move_scale == pytest.approx(0.25, rel=1e-3)

@@ -29,7 +29,7 @@ def test_large_factors_whose_product_is_small_pass() -> None:
     u[:, 0] = 1e6  # U's first column meets only V's first row, which is zero: U·V = 0
     v[1, :] = 1e6
     assert torch.count_nonzero(u @ v) == 0
-    UpdateBounds(max_value=1e9).check(TIER, _pair(u, v), FULL.build().state_dict())
+    UpdateBounds(max_value=1e9).check(TIER, _pair(u, v), FULL.build().state_dict(), {})
 
 
 def test_factors_whose_product_is_large_are_refused() -> None:
@@ -39,5 +39,5 @@ def test_factors_whose_product_is_large_are_refused() -> None:
     peak = float((u.double() @ v.double()).abs().max())  # r · 1e10
     assert peak > 1e9
     with pytest.raises(InvalidArgument, match=r"'fc1.weight'.*moves a value by .*max_update_value = 1e\+09"):
-        UpdateBounds(max_value=1e9).check(TIER, _pair(u, v), FULL.build().state_dict())
-    UpdateBounds(max_value=peak * 1.001).check(TIER, _pair(u, v), FULL.build().state_dict())  # just under: taken
+        UpdateBounds(max_value=1e9).check(TIER, _pair(u, v), FULL.build().state_dict(), {})
+    UpdateBounds(max_value=peak * 1.001).check(TIER, _pair(u, v), FULL.build().state_dict(), {})  # just under: taken

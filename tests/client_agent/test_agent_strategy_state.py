@@ -101,16 +101,20 @@ def test_the_control_of_an_update_whose_round_was_abandoned_is_dropped(tmp_path:
         torch.testing.assert_close(c, (c_a[name] + c_b[name]) / 2, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize(("strategy", "group", "key"), [("feddyn", "gradient", "h"), ("feddc", "drift", "drift")])
+@pytest.mark.parametrize(
+    ("strategy", "group", "key", "fp16"),
+    [("feddyn", "gradient", "h", False), ("feddc", "drift", "drift", False), ("feddyn", "gradient", "h", True)],
+)
 def test_a_clipped_updates_state_step_is_scaled_as_the_server_folds_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str, group: str, key: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str, group: str, key: str, fp16: bool
 ) -> None:
     """With ``update_norm_mode = "clip"`` the server folds a long update's move scaled to ``max_update_norm``.
     FedDyn's ``h`` and FedDC's ``H`` are means of the clients' ``∇L_k`` and ``h_i`` only if each client moves
     its state by the move the server folded: after three rounds of clipped updates, the server's state is
-    the mean of the two clients' saved states."""
+    the mean of the two clients' saved states. Under fp16 transport too: the server clips the move from the
+    rounded model it sent, which is where the client's move starts."""
     federation = FederationConfig(
-        model="digits-cnn", strategy=strategy, fraction=1.0, min_clients=2, rounds=3, batch_size=32, lr=0.05
+        model="digits-cnn", strategy=strategy, fraction=1.0, min_clients=2, rounds=3, batch_size=32, lr=0.05, fp16=fp16
     )
     scales: list[float] = []
     push = AggregatorClient.push
