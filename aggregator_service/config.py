@@ -468,7 +468,8 @@ class AggregatorSettings(TomlSettings):
     max_client_samples: int = Field(default=10_000_000, gt=0)
     #: Largest magnitude of any value of an update aligned to full rank (U·Vᵀ for a low-rank tier); beyond: refused.
     max_update_value: float = Field(default=1e9, gt=0.0)
-    #: Largest L2 distance ‖new − global‖₂ one update may move the model by; unset: no norm bound (docs/trust.md).
+    #: Largest L2 distance ‖new − start‖₂ one update may move its client's model by (start: its tier's cut of the
+    #: global model as the wire delivered it); unset: no norm bound (docs/trust.md).
     max_update_norm: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     #: What an update over max_update_norm gets: "reject" (INVALID_ARGUMENT at push) or "clip" (scaled to the bound).
     update_norm_mode: Literal["reject", "clip"] = "reject"

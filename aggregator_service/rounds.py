@@ -144,8 +144,8 @@ class Federation:
         self.round = 0
         self.cohort: tuple[str, ...] = ()
         self._tier_cache: tuple[tuple[int, ...], dict[float, dict[str, Tensor]]] = ((), {})
-        #: tier → (versions, the full-rank values its clients start from): what update bounds measure moves from
-        self._received: dict[float, tuple[tuple[int, ...], dict[str, Tensor]]] = {}
+        #: (versions, tier → the full-rank values its clients start from): what update bounds measure moves from
+        self._received: tuple[tuple[int, ...], dict[float, dict[str, Tensor]]] = ((), {})
         #: the round-start tensors' SVDs, shared by the tiers' cuts and the held average
         self._spectra = Spectra()
         self._tier_specs: dict[float, ModelSpec] = {}
@@ -165,7 +165,7 @@ class Federation:
         memo: dict[int, Any] = {
             id(self.spec): self.spec,
             id(self._tier_cache): ((), {}),
-            id(self._received): {},
+            id(self._received): (self._received[0], dict(self._received[1])),  # exact: same versions, same values
             id(self._tier_specs): self._tier_specs,
             id(self._spectra): self._spectra,
         }
@@ -210,11 +210,13 @@ class Federation:
         A client's move is measured from here (:mod:`.update_bounds`): a low tier never held the directions
         past its rank, so the global model's part there (the cut's residual) is no part of its move."""
         key = tuple(self.versions.values())
-        hit = self._received.get(tier)
-        if hit is None or hit[0] != key:
+        if self._received[0] != key:  # a new version: every tier's entry is stale
+            self._received = (key, {})
+        per_tier = self._received[1]
+        if tier not in per_tier:
             cut = {n: codec.as_delivered(t, self.fp16) for n, t in self.tier_tensors(tier).items()}
-            hit = self._received[tier] = (key, self.tier_spec(tier).to_full(cut))
-        return hit[1]
+            per_tier[tier] = self.tier_spec(tier).to_full(cut)
+        return per_tier[tier]
 
     def tier_versions(self, tier: float) -> dict[str, int]:
         return {t.name: self.versions[t.full_name or t.name] for t in self.tier_spec(tier).tensors}

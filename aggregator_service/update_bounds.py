@@ -40,7 +40,8 @@ NORM_MODES = ("reject", "clip")
 
 @dataclass(frozen=True)
 class UpdateBounds:
-    """``max_value`` bounds every aligned value; ``max_norm`` (None: off) the update's L2 distance to the global."""
+    """``max_value`` bounds every aligned value's change from the global; ``max_norm`` (None: off) the client's move,
+    the update's L2 distance to the model it started from."""
 
     max_value: float = 1e9
     max_norm: float | None = None
@@ -144,10 +145,11 @@ def _aligned(spec: ModelSpec, tensors: Mapping[str, Tensor]) -> dict[str, Tensor
     return spec.to_full(tensors)
 
 
-def delta_norm(aligned: Mapping[str, Tensor], global_tensors: Mapping[str, Tensor]) -> float:
-    """``‖aligned − global‖₂`` over the floating-point tensors, in float64 (integer counters do not count)."""
+def delta_norm(aligned: Mapping[str, Tensor], start: Mapping[str, Tensor]) -> float:
+    """``‖aligned − start‖₂`` over the floating-point tensors, in float64 (integer counters do not count); a
+    tensor ``start`` lacks is an error, never a part of the move left uncounted."""
     total = 0.0
     for name, tensor in aligned.items():
-        if tensor.is_floating_point() and name in global_tensors:
-            total += float(torch.sum((tensor.double() - global_tensors[name].double()) ** 2))
+        if tensor.is_floating_point():
+            total += float(torch.sum((tensor.double() - start[name].double()) ** 2))
     return math.sqrt(total)

@@ -86,9 +86,12 @@ class ClientState:
     last_seed: int | None = None  # and its seed
 
     def receive(self, fetched: dict[str, tuple[Tensor, int]]) -> None:
+        """Take newer global tensors; a tensor the server synchronized since supersedes its unsynced local value
+        (a client that missed the round that synchronized it must not continue from what it trained before)."""
         for name, (tensor, version) in fetched.items():
             self.global_tensors[name] = tensor
             self.versions[name] = version
+            self.unsynced.pop(name, None)
 
     def starting_point(self, continue_unsynced: bool) -> dict[str, Tensor]:
         """Global values, overlaid with unsynced local values when the cohort continues, and always with

@@ -122,9 +122,13 @@ def _as_numpy(array: npt.ArrayLike | torch.Tensor, tensor: str) -> np.ndarray:
 
 def as_delivered(tensor: torch.Tensor, fp16: bool) -> torch.Tensor:
     """``tensor`` as the receiver decodes it: rounded through float16 where :func:`encode` would send it so."""
-    if fp16 and str(tensor.dtype) in ("torch.float32", "torch.float64"):  # without importing torch here
+    if not fp16 or str(tensor.dtype) not in ("torch.float32", "torch.float64"):  # without importing torch here
+        return tensor
+    if str(tensor.dtype) == "torch.float32":
         return tensor.half().to(tensor.dtype)
-    return tensor
+    # float64: rounded once, as numpy's cast in encode rounds it (torch's goes through float32: twice)
+    half = tensor.detach().cpu().numpy().astype(DTYPES["float16"]).astype(np.float64)
+    return tensor.new_tensor(half)
 
 
 def encode(array: npt.ArrayLike | torch.Tensor, *, fp16: bool = False, name: str = "<unnamed>") -> EncodedTensor:

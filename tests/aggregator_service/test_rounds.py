@@ -236,3 +236,27 @@ def test_state_machine_rejects_misuse():
         fed.fold(update(fed, outsider, plan.due, seed=1))
     with pytest.raises(ValueError, match="lacks tensors"):
         Federation(SPEC, FedAvg(), EveryRound(SPEC.full().tensors), CohortSampler(), global_tensors={})
+
+
+def test_received_is_what_a_tiers_client_decodes_and_the_close_sees_the_same() -> None:
+    """``Federation.received``: tier 1 without fp16 is the global model itself (no copy); under fp16 each tier's
+    cut as encode/decode delivers it, aligned to full rank; a fork (the close) holds the same tensors."""
+    from fedcore import codec
+
+    plain = federation(tiers=(1.0, 0.125))
+    assert all(plain.received(1.0)[n] is t for n, t in plain.global_tensors.items())
+    half = federation(tiers=(1.0, 0.125))
+    half.fp16 = True
+    spec = half.tier_spec(0.125)
+    decoded = {}
+    for name, t in half.tier_tensors(0.125).items():
+        data = codec.encode(t, fp16=True, name=name)
+        arr = codec.decode(name, data.dtype, data.shape, data.data)
+        decoded[name] = torch.from_numpy(arr).to(t.dtype)  # the client trains in the spec's dtype
+    expected = spec.to_full(decoded)
+    got = half.received(0.125)
+    assert got.keys() == expected.keys() and all(torch.equal(got[n], expected[n]) for n in got)
+    fork = half.fork()
+    assert all(fork.received(0.125)[n] is got[n] for n in got)  # shared, not recomputed
+    _close_one_round(half)  # a new version: the entry is stale
+    assert any(not torch.equal(half.received(0.125)[n], got[n]) for n in got)

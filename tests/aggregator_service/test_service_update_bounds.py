@@ -172,8 +172,26 @@ def test_a_low_tiers_move_is_measured_from_the_cut_it_received(start_service, re
     assert said is not None and float(said.group(1)) == pytest.approx(2 * BOUND, rel=1e-3)
     assert snapshot(svc.url) == before
     assert low.push(1, _received_moved(low, 0.0), update_id="unchanged").accepted
-    round_, reply = full.round_trip()
-    assert round_ == 1 and reply.accepted
+    assert full.task().train.round == 1
+    assert full.push(1, _received_moved(full, 0.0), update_id="full").accepted  # completes round 1
+    assert full.task().train.round == 2
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_clip_mode_folds_a_low_tiers_move_from_its_cut(start_service, request, backend) -> None:
+    """Two clients of equal weight at tiers 1 and 1/8; the low one moves ``head.bias`` by twice the bound, from
+    its cut: told 0.5, and folded so, the mean moves ``head.bias`` by a quarter of its move (BOUND / 2)."""
+    url = request.getfixturevalue(f"{backend}_url")
+    svc = start_service(url, small_federation(tiers=[1.0, 0.125]), max_update_norm=BOUND, update_norm_mode="clip")
+    data = shards(2)
+    full, low = register(svc.stub, 1.0, data[0]), register(svc.stub, 0.125, data[1])
+    assert low.task().train.round == 1 and full.task().train.round == 1
+    start = global_tensors(url)[NAME][0].double()
+    assert low.push(1, _received_moved(low, 2 * BOUND), update_id="low").move_scale == pytest.approx(0.5, rel=1e-6)
+    assert full.push(1, _received_moved(full, 0.0), update_id="full").move_scale == 1.0
+    assert full.task().train.round == 2  # closed
+    moved = global_tensors(url)[NAME][0].double() - start
+    assert float(torch.linalg.vector_norm(moved)) == pytest.approx(BOUND / 2, rel=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
@@ -196,3 +214,11 @@ def test_under_fp16_transport_a_move_is_measured_from_the_rounded_model(start_se
     assert rounding > 1e-3  # the rounding alone is ten times the bound
     assert a.push(1, _received_moved(a, 0.0), update_id="a").move_scale == 1.0
     assert b.push(1, _received_moved(b, 4e-4), update_id="b").move_scale == pytest.approx(0.25, rel=1e-3)
+    assert a.task().train.round == 2  # closed: the mean of x̃ and x̃ + 0.25·Δ_b
+    after = global_tensors(url)
+    for name, x in exact.items():
+        sent = x.half().double()
+        if name == NAME:
+            assert float(torch.linalg.vector_norm(after[name][0].double() - sent)) == pytest.approx(5e-5, rel=1e-2)
+        elif x.is_floating_point():
+            torch.testing.assert_close(after[name][0].double(), sent, rtol=0, atol=1e-7)

@@ -106,3 +106,13 @@ def test_a_state_written_before_strategy_groups_keeps_its_scaffold_control(tmp_p
     back = ClientState.load(tmp_path)
     assert back is not None and set(back.strategy_state) == {"control"}
     assert torch.equal(back.strategy_state["control"]["a"], torch.full((2,), 0.25))
+
+
+def test_a_tensor_synchronized_since_supersedes_its_unsynced_value() -> None:
+    """A FedLAMA cohort member that missed the round synchronizing ``a`` continues from the synchronized
+    value, not from what it trained before; ``b``, still unsynchronized, continues from its local value."""
+    state = ClientState("c1", 1.0, global_tensors={"a": torch.zeros(2), "b": torch.zeros(2)}, versions={"a": 1, "b": 1})
+    state.unsynced = {"a": torch.full((2,), 7.0), "b": torch.full((2,), 9.0)}
+    state.receive({"a": (torch.ones(2), 2)})
+    start = state.starting_point(continue_unsynced=True)
+    assert torch.equal(start["a"], torch.ones(2)) and torch.equal(start["b"], torch.full((2,), 9.0))
