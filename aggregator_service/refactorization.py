@@ -56,9 +56,9 @@ class Spectra:
         if hit is not None and hit[0]() is full and hit[1] == full._version:
             return hit[2]
         u, s, vh = torch.linalg.svd(factored_matrix(full).detach().to(torch.float64), full_matrices=False)
-        # returned from here, not read back: a close's fork may store another tensor's SVD under this name meanwhile
-        self._svds[name] = (weakref.ref(full), full._version, (u, s, vh))
-        return u, s, vh
+        svd = (u, s, vh)  # returned as stored, not read back: a close's fork may store another tensor's meanwhile
+        self._svds[name] = (weakref.ref(full), full._version, svd)
+        return svd
 
 
 def refactorize(
