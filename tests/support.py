@@ -13,7 +13,7 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -145,3 +145,25 @@ def serve_aggregator(url: str, max_workers: int = 8, **settings: Any) -> tuple[A
     server, port, _ = build_server(s, coordinator, max_workers=max_workers)
     server.start()
     return coordinator, server, port
+
+
+def digits_agents(links: Mapping[str, Any], root: Path, secret: str, **agent_kwargs: Any) -> dict[str, Any]:
+    """An agent per named link (an ``AggregatorClient``), each training on its own 100 digits (in the links'
+    order) and evaluating on the first 50 test images, its state under ``root/name``."""
+    from client_agent.agent import Agent
+    from fedcore.data import load_dataset
+    from fedcore.tiers import CapabilityProfile
+
+    train, test = load_dataset("digits")
+    return {
+        name: Agent(
+            link,
+            root / name,
+            train.subset(np.arange(i * 100, (i + 1) * 100)),
+            test.subset(np.arange(50)),
+            profile=CapabilityProfile(num_samples=100),
+            enrollment_secret=secret,
+            **agent_kwargs,
+        )
+        for i, (name, link) in enumerate(links.items())
+    }

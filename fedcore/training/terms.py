@@ -10,6 +10,7 @@ returns the state after the round (and SCAFFOLD's ``Δc_i``, the one part that t
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -266,8 +267,7 @@ class RoundTerms:
         """The client's state after the round, and SCAFFOLD's ``Δc_i = c_i⁺ − c_i`` (what the server needs)."""
         new: dict[str, dict[str, Tensor]] = {}
         delta = None
-        fp16 = self.terms.fp16_transport
-        wire = lambda t: codec.as_delivered(t, fp16)  # noqa: E731  # what the server will receive
+        wire = functools.partial(codec.as_delivered, fp16=self.terms.fp16_transport)  # what the server will receive
         moved = {n: wire(p.detach()) - self.start[n] for n, p in params.items()}  # y − x
         if self.server_control is not None:
             scale = step_weight(steps, lr, momentum)

@@ -17,14 +17,12 @@ from typing import Any
 
 import pytest
 import torch
-from support import serve_aggregator
+from support import digits_agents, serve_aggregator
 
 from aggregator_service.config import FederationConfig
 from client_agent.agent import Agent
 from client_agent.state import ClientState
 from client_agent.transport import AggregatorClient
-from fedcore.data import load_dataset
-from fedcore.tiers import CapabilityProfile
 
 SECRET = "test-enrollment-secret"
 
@@ -40,20 +38,8 @@ def two_agents(tmp_path: Path, federation: FederationConfig, **settings: Any) ->
         federation=federation,
         **settings,
     )
-    train, test = load_dataset("digits")
-    agents = {
-        name: Agent(
-            AggregatorClient(f"127.0.0.1:{port}"),
-            tmp_path / name,
-            train.subset(torch.arange(i * 100, (i + 1) * 100).numpy()),
-            test.subset(torch.arange(50).numpy()),
-            profile=CapabilityProfile(num_samples=100),
-            enrollment_secret=SECRET,
-            eval_poll_seconds=0.0,
-            long_poll_seconds=0.0,
-        )
-        for i, name in enumerate(("a", "b"))
-    }
+    links = {name: AggregatorClient(f"127.0.0.1:{port}") for name in ("a", "b")}
+    agents = digits_agents(links, tmp_path, SECRET, eval_poll_seconds=0.0, long_poll_seconds=0.0)
     try:
         for agent in agents.values():
             agent.ensure_registered()

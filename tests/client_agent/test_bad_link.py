@@ -17,7 +17,7 @@ import pytest
 import torch
 from links import LinkProxy
 from processes import ENV, ROOT, SECRET, free_port, wait_for
-from support import serve_aggregator, stored_update
+from support import digits_agents, serve_aggregator, stored_update
 
 from aggregator_service.config import FederationConfig
 from client_agent.state import ClientState
@@ -186,9 +186,6 @@ def test_a_push_that_arrives_after_its_round_closed_leaves_the_clients_strategy_
     arrives after round 1 closed on a's update alone (quorum 0.5): refused, so b's c_i stays zero."""
     from datetime import timedelta
 
-    from client_agent.agent import Agent
-    from fedcore.data import load_dataset
-
     url = f"sqlite:///{tmp_path / 'agg.db'}"
     coordinator, server, port = serve_aggregator(
         url,
@@ -200,20 +197,8 @@ def test_a_push_that_arrives_after_its_round_closed_leaves_the_clients_strategy_
         ),
     )
     proxy = LinkProxy(port, up_rate=200_000)  # b's 1.2 MB push (update and control delta) takes about 6 s
-    train, test = load_dataset("digits")
     links = {"a": AggregatorClient(f"127.0.0.1:{port}"), "b": AggregatorClient(proxy.target)}
-    agents = {
-        name: Agent(
-            link,
-            tmp_path / name,
-            train.subset(torch.arange(i * 100, (i + 1) * 100).numpy()),
-            test.subset(torch.arange(50).numpy()),
-            profile=CapabilityProfile(num_samples=100),
-            enrollment_secret=SECRET,
-            eval_poll_seconds=0.0,
-        )
-        for i, (name, link) in enumerate(links.items())
-    }
+    agents = digits_agents(links, tmp_path, SECRET, eval_poll_seconds=0.0)
     try:
         for agent in agents.values():
             agent.ensure_registered()
