@@ -271,7 +271,7 @@ class Federation:
             raise RuntimeError("no open round")
         if update.client_id not in self._plan.cohort:
             raise ValueError(f"client {update.client_id} is not in round {self._plan.round}'s cohort")
-        if self.bounds is not None and self.bounds.clips:
+        if self.bounds is not None and self.bounds.folds_scaled(update):
             update = self.bounds.clip(update, self.received(update.tier))
         self.strategy.fold(self._acc, update)
         self._fold_order.append(update.client_id)

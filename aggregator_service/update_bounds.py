@@ -94,13 +94,20 @@ class UpdateBounds:
         norm = delta_norm(aligned, received)
         return 1.0 if norm <= self.max_norm else self.max_norm / norm
 
+    def folds_scaled(self, update: ClientUpdate) -> bool:
+        """Whether :meth:`clip` may change ``update``: its push was told a scale below 1, or, told none, the
+        bounds clip."""
+        return update.move_scale != 1.0 if update.move_scale is not None else self.clips
+
     def clip(self, update: ClientUpdate, received: Mapping[str, Tensor]) -> ClientUpdate:
-        """At fold, in clip mode: the update with its move from ``received`` scaled to ``max_norm`` when it is
-        longer; else unchanged."""
-        if not self.clips:
+        """At fold: the update with its move from ``received`` scaled by what its push was told
+        (``update.move_scale``), so the client's strategy state and the fold agree even when the
+        aggregator restarted with other bounds in between; an update told nothing (the in-process
+        simulator, a row an older version stored) is scaled to ``max_norm`` in clip mode when longer."""
+        if not self.folds_scaled(update):
             return update
         aligned = _aligned(update.spec, update.tensors)
-        scale = self._scale(aligned, received)
+        scale = update.move_scale if update.move_scale is not None else self._scale(aligned, received)
         if scale == 1.0:
             return update
         clipped = {}

@@ -26,6 +26,8 @@ class ClientUpdate:
     due subset; ``control_delta`` is SCAFFOLD's ``Δc_k = c_k⁺ − c_k``, keyed by the tier's
     trainable tensor names. ``aligned``, when set, are the full-rank values the server folds
     instead of ``spec.to_full(tensors)`` (an update clipped at full rank, :mod:`.update_bounds`).
+    ``move_scale``, when set, is the factor its push was told the fold scales its move by; the fold
+    applies it as told (``None``: the fold computes it from the bounds).
     """
 
     client_id: str
@@ -36,6 +38,7 @@ class ClientUpdate:
     control_delta: Mapping[str, Tensor] | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
     aligned: Mapping[str, Tensor] | None = None
+    move_scale: float | None = None
 
     def full_tensors(self) -> dict[str, Tensor]:
         """The update at full rank (FedHM eq. 1): ``aligned`` when the server set it, else ``spec.to_full(tensors)``."""

@@ -209,6 +209,7 @@ class Closing:
                         tensors=_AsTensors(tensors),
                         control_delta=None if deltas is None else _AsTensors(deltas),
                         metrics=dict(header.metrics or {}),
+                        move_scale=header.move_scale,
                     )
                 )
         return folded

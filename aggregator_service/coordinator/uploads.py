@@ -138,8 +138,8 @@ class Uploads:
             for n, a in [*model.items(), *(deltas or {}).items()]:
                 tensor_bytes[n] = tensor_bytes.get(n, 0) + a.nbytes
 
-        def write(s: Session) -> bool:
-            duplicate = store.store_update(
+        def write(s: Session) -> tuple[float | None, bool]:
+            header, duplicate = store.store_update(
                 s,
                 shared.fed_row,
                 round_,
@@ -150,13 +150,14 @@ class Uploads:
                 model,
                 deltas,
                 finite=True,  # check_tensors refused NaN and Inf
-            )[1]
+                move_scale=move_scale,
+            )
             if not duplicate:  # its bytes in the same transaction: a kill loses both or neither
                 self.ledger.write_push(s, client, round_, size, tensor_bytes)
-            return duplicate
+            return header.move_scale, duplicate
 
         try:
-            duplicate = shared.writes.run(write)
+            told, duplicate = shared.writes.run(write)
         except store.UpdateConflict as exc:
             raise FailedPrecondition(f"{exc}; a retry must reuse the original update_id") from exc
         except store.RoundStateError as exc:  # the round closed after the checks above: late after all
@@ -175,6 +176,8 @@ class Uploads:
                 if not now_open.closing and now_open.reported.issuperset(now_open.plan.cohort):
                     now_open.closing, complete = True, now_open
         note = "duplicate of an update already stored" if duplicate else f"stored {len(model)} tensors, {size} bytes"
+        if told is not None:  # a retry is answered what its first push was told, which the fold applies
+            move_scale = told
         return PushResult(True, duplicate, round_, note, move_scale), complete
 
     def _refuse_late(
@@ -191,14 +194,18 @@ class Uploads:
         checked against its round's model before the round closed."""
         shared = self.shared
 
-        def write(s: Session) -> bool:
-            return store.refuse_late_push(s, shared.fed_row, round_, client.id, update_id) is not None
+        def write(s: Session) -> tuple[bool, float | None]:
+            consumed = store.refuse_late_push(s, shared.fed_row, round_, client.id, update_id)
+            return consumed is not None, None if consumed is None else consumed.move_scale
 
-        if shared.writes.run(write):
+        consumed, told = shared.writes.run(write)
+        if consumed:
             log.info(kv("update_stored", round=round_, client=client.id, duplicate=True, consumed=True))
-            if move_scale is not None:
+            if told is not None:  # what its push was told, and its round's fold applied
+                scale = told
+            elif move_scale is not None:
                 scale = move_scale
-            else:  # its round's model is gone: what a clipping fold scaled it by cannot be computed again (0)
+            else:  # stored by a version that kept no scale, and its round's model is gone: not known (0)
                 scale = 0.0 if shared.settings.update_bounds.clips else 1.0
             return PushResult(True, True, round_, f"duplicate of an update consumed by round {round_}", scale)
         log.warning(kv("late_push_refused", round=round_, client=client.id, update_id=update_id))

@@ -302,6 +302,10 @@ class Update(Base):
     num_samples: Mapped[int] = mapped_column(Integer)
     metrics: Mapped[dict[str, float]] = mapped_column("metrics_json", JSONText, default=dict)
     received_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    #: the factor the fold scales this update's move by, as its push was told (``PushReply.move_scale``):
+    #: kept so that the fold and a retry after the close answer what the client already followed; NULL
+    #: for a row an older version wrote (the fold computes it then)
+    move_scale: Mapped[float | None] = mapped_column(Float)
 
     def __repr__(self) -> str:
         return f"Update(id={self.id}, round={self.round}, client_id={self.client_id!r}, update_id={self.update_id!r})"

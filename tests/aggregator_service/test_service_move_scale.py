@@ -7,7 +7,8 @@ Hand-built updates whose move from the round's model has a known length: the glo
 from __future__ import annotations
 
 import pytest
-from grpc_helpers import register, shards, small_federation
+import torch
+from grpc_helpers import global_tensors, register, shards, small_federation
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -41,7 +42,7 @@ def test_the_reply_says_what_the_fold_scales_the_move_by(
     assert reply.accepted and reply.move_scale == pytest.approx(expected, rel=1e-6)
 
 
-def test_a_retry_answers_the_same_scale_and_one_its_round_folded_cannot(start_service, url: str) -> None:
+def test_a_retry_answers_the_scale_it_was_told_also_after_its_round_closed(start_service, url: str) -> None:
     svc = start_service(
         url,
         small_federation(factorization="none", tiers=[1.0]),
@@ -56,5 +57,34 @@ def test_a_retry_answers_the_same_scale_and_one_its_round_folded_cannot(start_se
     again = a.push(1, tensors, update_id="u1")  # its acknowledgement was lost: the round still holds it
     assert again.duplicate and again.move_scale == pytest.approx(0.25, rel=1e-6)
     assert b.push(1, moved_by(b, 0.5), update_id="u2").move_scale == 1.0  # completes the round: it closes
-    late = a.push(1, tensors, update_id="u1")
-    assert late.duplicate and late.move_scale == 0.0  # round 1's model is gone: not known any more
+    late = a.push(1, tensors, update_id="u1")  # round 1's model is gone; the scale was kept with the update
+    assert late.duplicate and late.move_scale == pytest.approx(0.25, rel=1e-6)
+
+
+@pytest.mark.parametrize("restarted_with", [{}, {"max_update_norm": 0.5, "update_norm_mode": "clip"}])
+def test_after_a_restart_with_other_bounds_the_fold_applies_the_scale_the_push_was_told(
+    start_service, url: str, restarted_with: dict
+) -> None:
+    """a is told 0.25 under a bound of 1.5; the aggregator restarts with no bound, or a tighter one, before b's
+    push closes the round. The fold scales a's move by 0.25, as a's strategy state already did: the first
+    entry moves by 6 · 0.25 · ½ (two clients of equal weight, b unchanged), not by 6 · ½ or 0.5 · ½."""
+    federation = small_federation(factorization="none", tiers=[1.0])
+    first = start_service(url, federation, max_update_norm=1.5, update_norm_mode="clip")
+    data = shards(2, 60)
+    a, b = register(first.stub, 1.0, data[0]), register(first.stub, 1.0, data[1])
+    assert a.task().train.round == 1 and b.task().train.round == 1
+    start = {n: t.clone() for n, (t, _v) in global_tensors(url).items()}
+    assert a.push(1, moved_by(a, 6.0), update_id="u1").move_scale == pytest.approx(0.25, rel=1e-6)
+    first.stop()
+    again = start_service(url, federation, **restarted_with)
+    a.stub = b.stub = again.stub
+    b.fetch()
+    assert b.push(1, dict(b.state.global_tensors), update_id="u2").move_scale == 1.0  # unchanged: closes the round
+    assert a.task().train.round == 2
+    after = {n: t for n, (t, _v) in global_tensors(url).items()}
+    first_name = next(n for n, t in sorted(start.items()) if t.is_floating_point() and t.numel() > 0)
+    moved = float(after[first_name].view(-1)[0].double() - start[first_name].view(-1)[0].double())
+    assert moved == pytest.approx(6.0 * 0.25 / 2, rel=1e-5)
+    for n in start:
+        rest = after[n].view(-1)[1:] if n == first_name else after[n]
+        assert torch.equal(rest, start[n].view(-1)[1:] if n == first_name else start[n]), n

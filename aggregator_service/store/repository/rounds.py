@@ -238,6 +238,7 @@ def store_update(
     control_delta: Mapping[str, Any] | None = None,
     *,
     finite: bool = False,
+    move_scale: float | None = None,
     now: datetime | None = None,
 ) -> tuple[Update, bool]:
     """Store one client's update for an open round; ``(update header, duplicate)``.
@@ -256,7 +257,7 @@ def store_update(
     unsupported dtype) and :class:`ValueError` (bad counts or metrics). Names and shapes are
     the caller's to validate against the client's tier spec. ``finite=True``: the caller has already
     refused NaN and Inf (:func:`aggregator_service.validation.check_tensors`), so the arrays are not
-    scanned again.
+    scanned again. ``move_scale``: what the push was told the fold scales its move by (kept with the header).
     """
     if not update_id or len(update_id) > 128:
         raise ValueError(f"update_id must have 1 to 128 characters, got {len(update_id or '')}")
@@ -292,6 +293,7 @@ def store_update(
         "num_samples": num_samples,
         "metrics": clean_metrics,
         "received_at": _now(now),
+        "move_scale": move_scale,
     }
     racing = session.get_bind().dialect.name != "sqlite"
     try:
@@ -369,7 +371,17 @@ def iter_round_updates(
     """
     u, c, t = Update.__table__, Client.__table__, _T
     conn = session.connection()  # Core reads: a close reads every update of the round
-    fields = ("id", "federation_id", "round", "client_id", "update_id", "num_samples", "metrics", "received_at")
+    fields = (
+        "id",
+        "federation_id",
+        "round",
+        "client_id",
+        "update_id",
+        "num_samples",
+        "metrics",
+        "received_at",
+        "move_scale",
+    )
     headers = conn.execute(
         select(*(u.c[f if f != "metrics" else "metrics_json"] for f in fields))
         .join(c, c.c.id == u.c.client_id)

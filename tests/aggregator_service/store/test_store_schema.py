@@ -43,10 +43,10 @@ def test_upgrade_creates_every_table_and_is_idempotent(db_url):
 
     store.upgrade(db_url)
     assert _tables(db_url) == TABLES == set(store.Base.metadata.tables)
-    assert store.current_revision(db_url) == store.head_revision() == "0006_round_bytes"
+    assert store.current_revision(db_url) == store.head_revision() == "0007_update_move_scale"
 
     store.upgrade(db_url)  # a second start-up migrates nothing and fails nothing
-    assert store.current_revision(db_url) == "0006_round_bytes"
+    assert store.current_revision(db_url) == "0007_update_move_scale"
     assert _tables(db_url) == TABLES
 
 
