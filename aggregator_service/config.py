@@ -460,9 +460,12 @@ class AggregatorSettings(TomlSettings):
     #: Largest PushUpdate payload accepted; unset: 2 × the full model's float32 bytes.
     max_push_bytes: int | None = Field(default=None, gt=0)
     #: Spool bytes kept of push streams that broke off, so each client's retry sends only the rest (the oldest
-    #: dropped first; each resumable for an hour); unset: what ``max_concurrent_pushes`` pushes may spool at
-    #: once; 0: nothing kept, a broken push is sent again whole.
+    #: dropped first; each resumable for ``kept_push_seconds``); unset: what ``max_concurrent_pushes`` pushes
+    #: may spool at once; 0: nothing kept, a broken push is sent again whole.
     kept_push_bytes: int | None = Field(default=None, ge=0)
+    #: How long a broken push stays resumable; past it, its spool file is let go of (within a second, even on
+    #: an idle server). Long enough for a device on a bad link to come back; a day at most.
+    kept_push_seconds: float = Field(default=3600.0, gt=0.0, le=86_400.0)
     #: Largest sample count a client may declare at Register; a push may claim no more than its client
     #: declared (or this, for a client that declared none), so no client weighs more than it said it would.
     max_client_samples: int = Field(default=10_000_000, gt=0)

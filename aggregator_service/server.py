@@ -143,7 +143,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         # a client's push ends its push before: however many it opens, it holds one thread and one slot
         self._client_pushes = LatestPerClient()
         # what broken push streams delivered, so a retry sends only the rest (GetUploadProgress)
-        self._kept = KeptUploads(settings.kept_push_limit)
+        self._kept = KeptUploads(settings.kept_push_limit, ttl_seconds=settings.kept_push_seconds)
         self._progress_calls: set[str] = set()  # clients whose GetUploadProgress is waiting for their push to end
         self._progress_lock = threading.Lock()
         # decoding, validating and storing run on these threads, not the RPC's: the updates in memory are

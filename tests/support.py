@@ -105,15 +105,15 @@ def chromium() -> str | None:
     return CHROMIUM_DEFAULT if os.path.exists(CHROMIUM_DEFAULT) else shutil.which("chromium")
 
 
-def spool_files(spool: Path) -> list[int]:
-    """Sizes of this process's open files in ``spool`` (all unlinked)."""
+def spool_files(spool: Path, pid: int | str = "self") -> list[int]:
+    """Sizes of the open files in ``spool`` (all unlinked) of this process, or of process ``pid``."""
     sizes = []
-    for fd in os.listdir("/proc/self/fd"):
+    for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
             if target.startswith(str(spool)):
                 assert target.endswith("(deleted)"), target  # unlinked at once: a crash leaves nothing
-                sizes.append(os.stat(f"/proc/self/fd/{fd}").st_size)
+                sizes.append(os.stat(f"/proc/{pid}/fd/{fd}").st_size)
         except FileNotFoundError:  # closed meanwhile
             continue
     return sizes

@@ -9,17 +9,22 @@ in the bandwidth ledger.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
 import pytest
-from grpc_helpers import register, shards, small_federation
+from grpc_helpers import SECRET, register, shards, small_federation
 from links import LinkProxy
 from pydantic import ValidationError
 from sqlalchemy import func, select
-from support import spool_files, stored_update, wait_until
+from support import free_port, spool_files, stored_update, wait_serving, wait_until
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings
@@ -29,6 +34,9 @@ from client_agent.transport import AggregatorClient
 from fedcore import codec
 from fedwire import framing
 from fedwire.v1 import aggregator_pb2 as pb
+from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
 
 BACKENDS = ["sqlite", "postgres"]
 
@@ -48,11 +56,18 @@ def _setup(start_service, url: str, tmp_path: Path, **settings):
 
 
 def _break_off(
-    service, a, header: pb.PushHeader, tensors: list[tuple[str, object]], spool: Path, cut: int, part: bool = True
+    service,
+    a,
+    header: pb.PushHeader,
+    tensors: list[tuple[str, object]],
+    spool: Path,
+    cut: int,
+    part: bool = True,
+    pid: int | str = "self",
 ):
     """Send the header, the first ``cut`` tensors whole and (``part``) half of the next; wait until the server
-    holds exactly that; then ask for the progress (which ends the stalled stream).
-    Returns (progress, bytes held, bytes of the next tensor sent)."""
+    (this process, or process ``pid``) holds exactly that; then ask for the progress (which ends the stalled
+    stream). Returns (progress, bytes held, bytes of the next tensor sent)."""
     encoded = [(n, codec.encode(t, name=n)) for n, t in tensors]
     half = len(encoded[cut][1].data) // 2 if part else 0
     stall = threading.Event()
@@ -71,7 +86,9 @@ def _break_off(
     held = sum(len(e.data) for _, e in encoded[:cut]) + half
     call = service.stub.PushUpdate.future(messages(), metadata=a.auth)
     try:
-        assert wait_until(lambda: spool_files(spool) == [held], 30), "the server holds the first tensors and a half"
+        assert wait_until(lambda: spool_files(spool, pid) == [held], 30), (
+            "the server holds the first tensors and a half"
+        )
         progress = service.stub.GetUploadProgress(pb.UploadProgressRequest(update_id=header.update_id), metadata=a.auth)
         with pytest.raises(grpc.FutureCancelledError if call.cancelled() else grpc.RpcError) as info:
             call.result(timeout=30)
@@ -185,6 +202,9 @@ def test_kept_push_bytes_zero_keeps_nothing(start_service, sqlite_url, tmp_path)
     assert wait_until(lambda: spool_files(spool) == [], 30), "the broken push's spool file closed"
     with pytest.raises(ValidationError, match="kept_push_bytes"):
         AggregatorSettings(kept_push_bytes=-1)
+    for seconds in (0, -1, 86_401):
+        with pytest.raises(ValidationError, match="kept_push_seconds"):
+            AggregatorSettings(kept_push_seconds=seconds)
 
 
 def test_the_ticker_lets_go_of_a_kept_push_past_its_lifetime_on_an_idle_server(start_service, sqlite_url, tmp_path):
@@ -204,6 +224,58 @@ def test_the_ticker_lets_go_of_a_kept_push_past_its_lifetime_on_an_idle_server(s
         ticker.stop()
         ticker.join(10)
     assert not service.stub.GetUploadProgress(pb.UploadProgressRequest(update_id="idle"), metadata=a.auth).kept
+
+
+SERVED = f"""
+enrollment_secret = "{SECRET}"
+kept_push_seconds = 2
+
+[federation]
+model = "digits-cnn"
+factorization = "atoms"
+tiers = [1.0]
+fraction = 1.0
+min_clients = 2
+rounds = 2
+"""
+
+
+def test_fedatoms_aggregator_serve_lets_go_of_a_kept_push_on_its_own_and_stops_cleanly(tmp_path) -> None:
+    """A real ``fedatoms aggregator serve`` process: its ticker runs the housekeeping, so a kept push's spool
+    file is closed once ``kept_push_seconds`` pass while nothing else happens; SIGTERM then stops it, exit 0."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    config = tmp_path / "federation.toml"
+    config.write_text(SERVED.replace("kept_push_seconds = 2", f'kept_push_seconds = 2\nspool_dir = "{spool}"'))
+    port, log = free_port(), tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "fedatoms", "aggregator", "serve", "--config", str(config)]
+    cmd += ["--listen", f"127.0.0.1:{port}", "--database-url", f"sqlite:///{tmp_path / 'fedatoms.db'}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        wait_serving(f"127.0.0.1:{port}")
+        served = SimpleNamespace(stub=pb_grpc.AggregatorStub(channel))
+        a, _ = (register(served.stub, 1.0, d) for d in shards(2))  # a second member keeps the round open
+        task = a.task()
+        a.fetch()
+        push = a.train(task)
+        header = pb.PushHeader(round=task.train.round, update_id="served", num_samples=push.num_samples)
+        progress, held, _ = _break_off(served, a, header, list(push.tensors.items()), spool, 1, pid=proc.pid)
+        assert progress.kept and spool_files(spool, proc.pid) == [held]
+        assert wait_until(lambda: spool_files(spool, proc.pid) == [], 30), "the served ticker closed the spool file"
+        progress = served.stub.GetUploadProgress(pb.UploadProgressRequest(update_id="served"), metadata=a.auth)
+        assert not progress.kept
+        # broken again, and kept while the server stops: it stops all the same
+        assert _break_off(served, a, header, list(push.tensors.items()), spool, 1, pid=proc.pid)[0].kept
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        channel.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert "event=stopped" in log.read_text()
 
 
 def test_a_failing_housekeeping_is_a_failing_tick_and_runs_when_the_tick_fails(
