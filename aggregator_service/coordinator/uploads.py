@@ -129,7 +129,13 @@ class Uploads:
             return self._refuse_late(client, round_, update_id, late), None
         model, deltas = check_tensors(spec, round_, due, tensors, control_delta, scaffold=scaffold)
         as_tensors = {n: torch.from_numpy(a) for n, a in model.items()}
-        bounds.check(spec, as_tensors, start, received)
+        try:
+            bounds.check(spec, as_tensors, start, received)
+        except InvalidArgument:
+            if not self._stored(client, round_, update_id):
+                raise
+            # a retry of an update stored under other bounds (the aggregator restarted since): bounds bind a push
+            # under the settings it was checked by, so it is answered as a duplicate, with the scale it was told
         move_scale = bounds.move_scale(spec, as_tensors, received)  # the fold's clip, from the same round model
         del as_tensors
         size = nbytes if nbytes is not None else sum(a.nbytes for a in [*model.values(), *(deltas or {}).values()])
@@ -179,6 +185,11 @@ class Uploads:
         if told is not None:  # a retry is answered what its first push was told, which the fold applies
             move_scale = told
         return PushResult(True, duplicate, round_, note, move_scale), complete
+
+    def _stored(self, client: ClientInfo, round_: int, update_id: str) -> bool:
+        shared = self.shared
+        with Session(shared.reader) as s, s.begin():
+            return store.retried_update(s, shared.fed_row, round_, client.id, update_id) is not None
 
     def _refuse_late(
         self,

@@ -6,6 +6,7 @@ Hand-built updates whose move from the round's model has a known length: the glo
 
 from __future__ import annotations
 
+import grpc
 import pytest
 import torch
 from grpc_helpers import global_tensors, register, shards, small_federation
@@ -88,3 +89,34 @@ def test_after_a_restart_with_other_bounds_the_fold_applies_the_scale_the_push_w
     for n in start:
         rest = after[n].view(-1)[1:] if n == first_name else after[n]
         assert torch.equal(rest, start[n].view(-1)[1:] if n == first_name else start[n]), n
+
+
+def test_a_retry_of_an_update_taken_before_a_restart_with_a_tighter_bound_is_a_duplicate(
+    start_service, url: str
+) -> None:
+    """Reject mode binds a push under the settings it was checked by: a's update, taken without a bound, is
+    retried (its acknowledgement lost) after a restart with max_update_norm = 1.5. The retry is a duplicate,
+    not INVALID_ARGUMENT, and the fold takes a's whole move; a new update over the bound is still refused."""
+    federation = small_federation(factorization="none", tiers=[1.0])
+    first = start_service(url, federation)
+    data = shards(2, 60)
+    a, b = register(first.stub, 1.0, data[0]), register(first.stub, 1.0, data[1])
+    assert a.task().train.round == 1 and b.task().train.round == 1
+    start = {n: t.clone() for n, (t, _v) in global_tensors(url).items()}
+    tensors = moved_by(a, 6.0)
+    assert a.push(1, tensors, update_id="u1").move_scale == 1.0
+    first.stop()
+    again = start_service(url, federation, max_update_norm=1.5, update_norm_mode="reject")
+    a.stub = b.stub = again.stub
+    retry = a.push(1, tensors, update_id="u1")
+    assert retry.accepted and retry.duplicate and retry.move_scale == 1.0
+    with pytest.raises(grpc.RpcError) as err:
+        b.push(1, moved_by(b, 6.0), update_id="u2")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_update_norm" in err.value.details()
+    b.fetch()
+    assert b.push(1, dict(b.state.global_tensors), update_id="u3").accepted  # unchanged: closes the round
+    assert a.task().train.round == 2
+    after = {n: t for n, (t, _v) in global_tensors(url).items()}
+    first_name = next(n for n, t in sorted(start.items()) if t.is_floating_point() and t.numel() > 0)
+    moved = float(after[first_name].view(-1)[0].double() - start[first_name].view(-1)[0].double())
+    assert moved == pytest.approx(6.0 / 2, rel=1e-5)

@@ -75,6 +75,7 @@ from .rounds import (
     open_round,
     refuse_late_push,
     reported_clients,
+    retried_update,
     store_update,
 )
 from .tensors import (
@@ -133,6 +134,7 @@ __all__ = [
     "refuse_late_push",
     "register_client",
     "reported_clients",
+    "retried_update",
     "revoke_client",
     "round_evaluations",
     "round_tensor_metrics",

@@ -215,6 +215,16 @@ def _duplicate_or_conflict(
     return None
 
 
+def retried_update(session: Session, fed: Federation, round: int, client_id: str, update_id: str) -> Update | None:
+    """The stored update a push of ``update_id`` by ``client_id`` for ``round`` repeats, else ``None`` (also when
+    ``update_id`` belongs to another client or round: that push is no retry)."""
+    try:
+        found = _duplicate_or_conflict(session, fed, round, client_id, update_id)
+    except UpdateConflict:
+        return None
+    return None if found is None else found[0]
+
+
 def _check_open_member(session: Session, fed: Federation, number: int, client_id: str) -> None:
     """Round ``number`` is open and ``client_id`` in its cohort, read ``FOR SHARE`` (a concurrent close waits)."""
     row = session.connection().execute(_ROUND_FOR_SHARE, {"fed": fed.id, "number": number}).first()
