@@ -17,11 +17,16 @@ def url(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "postgres_url")
 
 
+def first_entry(tensors: dict) -> str:
+    """The tensor whose first entry the tests move: the first non-empty floating-point one, by name."""
+    return next(n for n, t in sorted(tensors.items()) if t.is_floating_point() and t.numel() > 0)
+
+
 def moved_by(client, d: float) -> dict:
     """The round's model with one entry moved by ``d``."""
     client.fetch()
     tensors = {n: t.clone() for n, t in client.state.global_tensors.items()}
-    first = next(n for n, t in sorted(tensors.items()) if t.is_floating_point() and t.numel() > 0)
+    first = first_entry(tensors)
     tensors[first].view(-1)[0] += d
     return tensors
 
@@ -83,7 +88,7 @@ def test_after_a_restart_with_other_bounds_the_fold_applies_the_scale_the_push_w
     assert b.push(1, dict(b.state.global_tensors), update_id="u2").move_scale == 1.0  # unchanged: closes the round
     assert a.task().train.round == 2
     after = {n: t for n, (t, _v) in global_tensors(url).items()}
-    first_name = next(n for n, t in sorted(start.items()) if t.is_floating_point() and t.numel() > 0)
+    first_name = first_entry(start)
     moved = float(after[first_name].view(-1)[0].double() - start[first_name].view(-1)[0].double())
     assert moved == pytest.approx(6.0 * 0.25 / 2, rel=1e-5)
     for n in start:
@@ -117,6 +122,6 @@ def test_a_retry_of_an_update_taken_before_a_restart_with_a_tighter_bound_is_a_d
     assert b.push(1, dict(b.state.global_tensors), update_id="u3").accepted  # unchanged: closes the round
     assert a.task().train.round == 2
     after = {n: t for n, (t, _v) in global_tensors(url).items()}
-    first_name = next(n for n, t in sorted(start.items()) if t.is_floating_point() and t.numel() > 0)
+    first_name = first_entry(start)
     moved = float(after[first_name].view(-1)[0].double() - start[first_name].view(-1)[0].double())
     assert moved == pytest.approx(6.0 / 2, rel=1e-5)
