@@ -381,10 +381,12 @@ def test_one_progress_call_per_client_waits_at_a_time(start_service, sqlite_url,
         stall.wait(60)
 
     inside = service.stub.PushUpdate.future(stalled("c-1", True), metadata=c.auth)
-    waiting = service.stub.PushUpdate.future(stalled("a-1", False), metadata=a.auth)
+    waiting = None
     asked = None
     try:
+        # a's push starts only once c's holds the gate: started together, either could get in first
         assert wait_until(lambda: spool_files(spool) == [64], 30), "c's push holds the gate's one slot"
+        waiting = service.stub.PushUpdate.future(stalled("a-1", False), metadata=a.auth)
         assert wait_until(lambda: servicer._pushes.in_line == 1, 30), "a's push waits in the gate's line"
         request = pb.UploadProgressRequest(update_id="a-1")
         asked = service.stub.GetUploadProgress.future(request, metadata=a.auth)
