@@ -9,13 +9,15 @@ still returns only after the commit that holds its write.
 
 A write is a function of a session and must be safe to run again: when a batch fails, it
 is rolled back and each of its writes runs again in a transaction of its own, so one bad
-write (a stale round, a conflict) fails alone and the others still commit.
+write (a stale round, a conflict) fails alone and the others still commit. ``guard``, when
+given, is entered around each transaction, before it begins (the coordinator's prune gate).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -40,10 +42,16 @@ class _Write(Generic[T]):
 class GroupCommit:
     """Run ``write(session)`` functions in shared transactions; :meth:`run` returns after the commit."""
 
-    def __init__(self, factory: sessionmaker[Session], max_batch: int = 32) -> None:
+    def __init__(
+        self,
+        factory: sessionmaker[Session],
+        max_batch: int = 32,
+        guard: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be ≥ 1, got {max_batch}")
         self._factory = factory
+        self._guard = guard
         self.max_batch = max_batch
         self._lock = threading.Lock()
         self._queue: list[_Write[Any]] = []
@@ -87,7 +95,7 @@ class GroupCommit:
     def _commit(self, batch: list[_Write[Any]]) -> None:
         if len(batch) > 1:
             try:
-                with self._factory.begin() as s:
+                with self._guard(), self._factory.begin() as s:
                     results = [item.fn(s) for item in batch]
             except BaseException:
                 pass
@@ -99,7 +107,7 @@ class GroupCommit:
                 return
         for item in batch:
             try:
-                with self._factory.begin() as s:
+                with self._guard(), self._factory.begin() as s:
                     item.result = item.fn(s)
                 self.batches += 1
                 self.writes += 1

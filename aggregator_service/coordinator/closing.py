@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator, Mapping
+from contextlib import nullcontext
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -131,39 +132,40 @@ class Closing:
                 round_metrics = self._round_metrics(fed, outcome)
                 json_state, strategy_groups = split_strategy_state(fed.strategy)
                 done = outcome.round >= shared.config.rounds
-                with shared.factory.begin() as s:
-                    rnd = store.lock_round(s, shared.fed_row, plan.round)
-                    # a push that committed after the read must be folded too: fold again
-                    refold = rnd.state == "open" and _stored(s, shared.fed_row, plan.round) != folded
-                    if not refold:
-                        drained = self.ledger.write(s)  # the round's metrics sum its bytes
-                        store.close_round(
-                            s,
-                            shared.fed_row,
-                            plan.round,
-                            new_tensors={
-                                n: (t, fed.versions[n], outcome.intervals[n]) for n, t in outcome.result.tensors.items()
-                            },
-                            intervals=outcome.intervals,
-                            round_metrics=round_metrics,
-                            tensor_metrics=_tensor_metrics(fed, outcome),
-                            transfers=[],
-                            strategy_state=json_state,
-                            policy_state=fed.policy.state_dict(),
-                            strategy_tensors={},
-                            next_round=None if done else plan.round + 1,
-                        )
-                        save_strategy_groups(s, shared.fed_row, strategy_groups)
-                        if shared.settings.history_rounds is not None:
-                            keep = shared.settings.history_rounds
-                            pruned_through = store.prune_history(s, shared.fed_row, plan.round, keep)
-                # the watermark the ledger's writes read moves only now, committed: set before the commit, a
-                # write on PostgreSQL could skip the detail rows of rounds whose prune then rolls back. A write
-                # that reads the old one meanwhile writes rows of a round just pruned: the next prune deletes
-                # them (it deletes every row of round ≤ its cutoff); after the last round's close none does, and
-                # those few rows stay
-                if pruned_through is not None:
-                    shared.history_pruned_through = pruned_through
+                keep = shared.settings.history_rounds
+                # a close that prunes holds the gate alone until the watermark it committed is in memory
+                with shared.prune_gate.prune() if keep is not None else nullcontext():
+                    with shared.factory.begin() as s:
+                        rnd = store.lock_round(s, shared.fed_row, plan.round)
+                        # a push that committed after the read must be folded too: fold again
+                        refold = rnd.state == "open" and _stored(s, shared.fed_row, plan.round) != folded
+                        if not refold:
+                            drained = self.ledger.write(s)  # the round's metrics sum its bytes
+                            store.close_round(
+                                s,
+                                shared.fed_row,
+                                plan.round,
+                                new_tensors={
+                                    n: (t, fed.versions[n], outcome.intervals[n])
+                                    for n, t in outcome.result.tensors.items()
+                                },
+                                intervals=outcome.intervals,
+                                round_metrics=round_metrics,
+                                tensor_metrics=_tensor_metrics(fed, outcome),
+                                transfers=[],
+                                strategy_state=json_state,
+                                policy_state=fed.policy.state_dict(),
+                                strategy_tensors={},
+                                next_round=None if done else plan.round + 1,
+                            )
+                            save_strategy_groups(s, shared.fed_row, strategy_groups)
+                            if keep is not None:
+                                pruned_through = store.prune_history(s, shared.fed_row, plan.round, keep)
+                    # the watermark the ledger's writes read moves only now, committed (set before the commit, a
+                    # write could skip the detail rows of rounds whose prune then rolls back), and before the gate
+                    # lets writes in again (one that read the old one could write rows of a round just pruned)
+                    if pruned_through is not None:
+                        shared.history_pruned_through = pruned_through
             except Exception as exc:
                 self.ledger.unwrite(drained)
                 self._after_failure(plan.round, exc)

@@ -155,7 +155,7 @@ class Ledger:
                 return
         drained: Counts = {}
         try:
-            with self.shared.factory.begin() as s:
+            with self.shared.prune_gate.write(), self.shared.factory.begin() as s:
                 drained = self.write(s)
                 write_touches(s, touches)
         except Exception:
@@ -163,10 +163,11 @@ class Ledger:
             raise
 
     def _pruned_through(self, s: Session) -> int:
-        """The retention watermark (:attr:`Shared.history_pruned_through`) for a write in ``s``, read once ``s``
-        has begun. A close moves it only after its commit, so it is never ahead of the database; just after a
-        close it may still be the old one (rows then written for a round just pruned go with the next prune),
-        and a close's own write (before its prune) reads the old one."""
+        """The retention watermark (:attr:`Shared.history_pruned_through`) for a write in ``s``. A close moves
+        it only after its commit, so it is never ahead of the database, and while holding the prune gate,
+        which every write holds shared for its transaction (:mod:`.prune_gate`): no write reads one watermark
+        and commits after a prune that moved it. A close's own write (before its prune) reads the old one, and
+        its prune deletes what it wrote."""
         s.connection()
         return self.shared.history_pruned_through
 

@@ -26,6 +26,8 @@ from aggregator_service.group_commit import GroupCommit
 from aggregator_service.rounds import Federation, RoundPlan
 from fedcore.keys import client_key, client_number
 
+from .prune_gate import PruneGate
+
 __all__ = ["OpenRound", "Shared", "client_ids", "client_keys"]
 
 
@@ -57,7 +59,9 @@ class Shared:
         self.clock = clock
         self.factory = factory
         self.reader = _reader_for(factory)
-        self.writes = GroupCommit(factory)  # pushes and evaluation reports: one commit per batch
+        self.prune_gate = PruneGate()  # no write of per-client history in flight while a close prunes it
+        # pushes and evaluation reports: one commit per batch
+        self.writes = GroupCommit(factory, guard=self.prune_gate.write)
         self.iterations = enrollment_iterations
         self.lock = threading.RLock()
         self._settled = threading.Condition(self.lock)

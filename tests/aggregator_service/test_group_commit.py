@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Column, Integer, MetaData, String, Table, create_engine, event, insert, select
@@ -53,6 +54,21 @@ def _hold_leader(group: GroupCommit, release: threading.Event) -> threading.Thre
     return leader
 
 
+def _start(group: GroupCommit, outcome: dict[str, object], writes: dict[str, Any]) -> list[threading.Thread]:
+    """Each write run by its own thread, started in order; its result, or its error, in ``outcome``."""
+
+    def run(key: str, write) -> None:
+        try:
+            outcome[key] = group.run(write)
+        except Exception as exc:
+            outcome[key] = exc
+
+    threads = [threading.Thread(target=run, args=(k, w)) for k, w in writes.items()]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def _queued(group: GroupCommit, n: int) -> None:
     assert wait_until(lambda: len(group._queue) >= n), f"{len(group._queue)} of {n} writes queued"
 
@@ -91,19 +107,7 @@ def test_a_failing_write_fails_alone_and_the_batch_still_commits(factory) -> Non
     release = threading.Event()
     leader = _hold_leader(group, release)
     outcome: dict[str, object] = {}
-
-    def run(key: str, write) -> None:
-        try:
-            outcome[key] = group.run(write)
-        except Exception as exc:
-            outcome[key] = exc
-
-    followers = [
-        threading.Thread(target=run, args=(k, w))
-        for k, w in (("a", _adder("a")), ("dup", _adder("taken")), ("b", _adder("b")))
-    ]
-    for t in followers:
-        t.start()
+    followers = _start(group, outcome, {"a": _adder("a"), "dup": _adder("taken"), "b": _adder("b")})
     _queued(group, 3)
     release.set()
     _join([leader, *followers])
@@ -116,3 +120,35 @@ def test_a_failing_write_fails_alone_and_the_batch_still_commits(factory) -> Non
 def test_max_batch_must_be_positive(factory) -> None:
     with pytest.raises(ValueError, match="max_batch"):
         GroupCommit(factory, max_batch=0)
+
+
+def test_the_guard_is_held_around_each_transaction_from_before_it_begins(factory) -> None:
+    """A guard (the prune gate) entered after BEGIN could wait for a holder that waits for this transaction's
+    locks; it must span begin to commit, once per transaction, the retries of a failed batch included."""
+    events: list[str] = []
+    engine = factory.kw["bind"]
+    event.listen(engine, "begin", lambda conn: events.append("begin"))
+    event.listen(engine, "commit", lambda conn: events.append("commit"))
+    event.listen(engine, "rollback", lambda conn: events.append("rollback"))
+
+    class Guard:
+        def __enter__(self) -> None:
+            events.append("enter")
+
+        def __exit__(self, *exc: object) -> None:
+            events.append("exit")
+
+    group = GroupCommit(factory, guard=Guard)
+    group.run(_adder("taken"))
+    assert events == ["enter", "begin", "commit", "exit"]
+    events.clear()
+    release = threading.Event()
+    leader = _hold_leader(group, release)
+    outcome: dict[str, object] = {}
+    followers = _start(group, outcome, {"a": _adder("a"), "dup": _adder("taken")})
+    _queued(group, 2)
+    release.set()
+    _join([leader, *followers])
+    # the leader; the batch of two, rolled back; each again alone (the duplicate rolled back)
+    ok, failed = ["enter", "begin", "commit", "exit"], ["enter", "begin", "rollback", "exit"]
+    assert events == [*ok, *failed, *ok, *failed]

@@ -8,6 +8,8 @@ for a round whose history is gone (too low), or drop them for a round that keeps
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -189,3 +191,65 @@ def test_a_failed_close_leaves_the_watermark_sqlite(start_service, sqlite_url) -
 @pytest.mark.usefixtures("postgres_url")
 def test_a_failed_close_leaves_the_watermark_postgres(start_service, postgres_url) -> None:
     _a_failed_close_leaves_the_watermark(start_service, postgres_url)
+
+
+@contextmanager
+def _paused_flush(coordinator: Coordinator) -> Iterator[tuple[threading.Thread, threading.Event]]:
+    """A ledger flush in another thread, paused in its transaction once it has read the watermark and added to a
+    round's sums (its first statement), until the event yielded is set; the thread is joined afterwards."""
+    engine = coordinator.factory.kw["bind"]
+    paused, go = threading.Event(), threading.Event()
+    flush = threading.Thread(target=coordinator.flush, daemon=True)
+
+    def after(conn, cursor, statement, parameters, context, executemany) -> None:
+        if threading.current_thread() is flush and statement.lstrip().upper().startswith("INSERT INTO ROUND_BYTES"):
+            paused.set()
+            assert go.wait(timeout=60), "the flush was never let go"
+
+    event.listen(engine, "after_cursor_execute", after)
+    try:
+        flush.start()
+        assert paused.wait(timeout=30), "the flush wrote nothing"
+        yield flush, go
+    finally:
+        go.set()
+        flush.join(timeout=60)
+        event.remove(engine, "after_cursor_execute", after)
+
+
+@pytest.mark.usefixtures("postgres_url")
+def test_a_write_in_flight_goes_with_the_prune(start_service, postgres_url) -> None:
+    """A ledger flush of a late transfer of round 2, in flight (watermark read, not committed) while round 3's
+    close prunes round 2. Had the close gone on (on PostgreSQL nothing in the database stops it), the flush
+    would write round 2's rows after the prune's ``DELETE``, and leave them. The close waits for it at the
+    prune gate, and its prune deletes them. (On SQLite the flush holds the database's write lock: no close
+    can begin.)"""
+    url = postgres_url
+    federation = small_federation(rounds=5)
+    service = start_service(url, federation=federation, history_rounds=1)
+    a, b = clients = [register(service.stub, 1.0, d) for d in shards(2)]
+    for round_ in (1, 2):
+        for c in clients:
+            assert c.round_trip()[0] == round_
+    assert a.round_trip()[0] == 3
+    tensor = federation.spec.names[0]
+    info = ClientInfo(a.client_id, a.tier, "late", a.key)
+    service.coordinator.flush()  # the paused flush writes only the late transfer: nothing b's push waits for
+    service.coordinator.record_download(info, LATE, {tensor: LATE}, round_=2, category="eval_fetch")
+    gate = service.coordinator.shared.prune_gate
+    closed: list[int] = []
+    with _paused_flush(service.coordinator) as (flush, go):
+        close = threading.Thread(target=lambda: closed.append(b.round_trip()[0]), daemon=True)
+        close.start()  # b's push closes round 3
+        deadline = time.monotonic() + 30
+        while gate.closes_waiting == 0 and close.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        waited = gate.closes_waiting
+        go.set()
+        close.join(timeout=60)
+    assert closed == [3] and not flush.is_alive()
+    after = _ledger(url, a.client_id)
+    assert after["detail"] == ({3}, {3})
+    assert after["eval_transfers"] == []
+    assert after["eval_sums"] == {2: LATE}
+    assert waited == 1  # the close waited for the flush
