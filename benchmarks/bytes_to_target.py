@@ -28,7 +28,9 @@ returning ``(train, test)`` Datasets, as ``fedatoms simulate --data``) with the 
 baseline (e.g. ``--set warmup_rounds=0`` for FedLAMA's Algorithm 1); the setting FedAvg must share
 (data, split, rounds, rate, model, seed) has its own flags and is refused there. ``--jobs`` runs that
 many simulations in parallel processes (one torch thread each). A run that takes longer than a minute
-reports its latest round about once a minute on stderr. ``--json PATH`` also writes every run's
+reports its latest round about once a minute on stderr. A run that diverges (a tensor non-finite, or past
+float16's range on an fp16 wire) counts 0 accuracy from then on; FedAvg diverging sets no target, and the
+benchmark stops there (exit 2). ``--json PATH`` also writes every run's
 per-round accuracy, cumulative bytes and smallest-tier cut with the table's figures for it, to
 re-plot or to merge runs split by ``--first-seed``. ``--baseline PATH`` takes FedAvg's runs (the targets
 and the byte baseline) from such a file, written with the same setting, instead of running FedAvg again:
@@ -55,6 +57,8 @@ from typing import Any
 
 ALL_TIERS = [1.0, 0.5, 0.25, 0.125]
 PROGRESS_EVERY_S = 60.0  # a long run (MNIST: minutes a run) says where it is this often
+#: CodecError kinds that mean a run diverged: a tensor turned non-finite, or left float16's range on an fp16 wire
+DIVERGED = ("nonfinite", "fp16_overflow")
 
 #: keys of the experiment's setting beyond the flags: --set may not change them for the configurations alone
 SETTING = frozenset({"seed", "batch_size", "model_args", "input_shape", "download", "threads"})
@@ -81,6 +85,7 @@ class Outcome:
     seconds: float
     #: (tier, accuracy per round) of the global model cut to the smallest tier below 1; None without tiers
     smallest_cut: tuple[str, list[float]] | None = None
+    diverged: bool = False  # its training diverged: the rounds after count 0 accuracy
 
     @property
     def last5(self) -> float:
@@ -106,7 +111,8 @@ def _parse_value(text: str) -> Any:
 
 
 def _run(job: tuple[str, int, dict[str, Any]]) -> tuple[str, int, Outcome]:
-    """One simulation; a run whose training turns non-finite counts its rounds so far and 0 accuracy after."""
+    """One simulation; a run whose training diverges (a tensor non-finite, or past float16's range on an fp16
+    wire) counts its rounds so far and 0 accuracy after."""
     from fedatoms.simulate import SimulationConfig, run_simulation
     from fedcore.codec import CodecError
 
@@ -129,15 +135,15 @@ def _run(job: tuple[str, int, dict[str, Any]]) -> tuple[str, int, Outcome]:
                 flush=True,
             )
 
-    diverged = False
+    diverged: CodecError | None = None
     try:
         # the returned records, not the progress ones: over gRPC a round is reported when it closes, before
         # its cohort's evaluation fetches are counted
         rounds = run_simulation(SimulationConfig(**keys, seed=seed), progress=progress)["rounds"]
     except CodecError as exc:
-        if exc.kind != "nonfinite":
+        if exc.kind not in DIVERGED:
             raise
-        diverged = True  # the rounds reported so far
+        diverged = exc  # the rounds reported so far
     accuracy = [r["test_accuracy"] for r in rounds]
     moved = [r["cumulative_bytes_up"] + r["cumulative_bytes_down"] for r in rounds]
     missing = keys["rounds"] - len(rounds)
@@ -150,9 +156,10 @@ def _run(job: tuple[str, int, dict[str, Any]]) -> tuple[str, int, Outcome]:
         moved + [moved[-1] if moved else 0] * missing,
         time.perf_counter() - started,
         cut,
+        diverged is not None,
     )
-    if diverged:
-        print(f"  {name} seed {seed}: non-finite tensors after round {len(rounds)}", file=sys.stderr, flush=True)
+    if diverged is not None:
+        print(f"  {name} seed {seed}: diverged after round {len(rounds)} ({diverged})", file=sys.stderr, flush=True)
     return name, seed, outcome
 
 
@@ -297,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
 
+    fell = [s for s in seeds if results[("fedavg", s)].diverged]
+    if fell:
+        print(
+            f"error: FedAvg diverged on seed {', '.join(map(str, fell))}: it sets no target to reach; lower --lr",
+            file=sys.stderr,
+        )
+        return 2
     targets = {s: results[("fedavg", s)].last5 for s in seeds}
     baseline = {s: results[("fedavg", s)].reach(targets[s]) for s in seeds}
     print(f"\ntarget per seed (FedAvg's mean of the last 5 rounds): {', '.join(f'{targets[s]:.3f}' for s in seeds)}")

@@ -75,6 +75,10 @@ class CodecError(ValueError):
         self.kind = kind
         super().__init__(f"tensor {tensor!r}: {reason}")
 
+    def __reduce__(self) -> tuple[type[CodecError], tuple[str, str, str]]:
+        """Pickled whole: an error raised in a worker process (``--jobs``, Ray) reaches the parent as itself."""
+        return type(self), (self.tensor, self.reason, self.kind)
+
 
 @dataclass(frozen=True)
 class EncodedTensor:

@@ -166,3 +166,18 @@ def test_a_baseline_of_another_setting_or_without_the_seeds_is_refused(
         out = capsys.readouterr()
         assert exited.value.code == 2 and said in out.err, (args, out.err)
         assert "seed 0:" not in out.out + out.err and not (tmp_path / "refused.png").exists()  # before any run
+
+
+def test_fedavg_that_diverges_sets_no_target(tmp_path: Path) -> None:
+    """At a rate no model survives, every run's first round turns non-finite: each worker (``--jobs 2``) reports
+    its run as diverged, and FedAvg that diverged sets no target, which the benchmark says (exit 2) instead of
+    dividing by the zero bytes it moved."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bytes_to_target.py"), "--rounds", "2", "--lr", "100"]
+    args = ["--configs", "fedavg", "--seeds", "2", "--jobs", "2", "--plot", str(tmp_path / "plot.png")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr
+    for seed in (0, 1):
+        assert re.search(rf"fedavg seed {seed}: diverged after round 0 \(tensor '[\w.]+': .*NaN or Inf", proc.stderr)
+    assert "error: FedAvg diverged on seed 0, 1: it sets no target to reach; lower --lr" in proc.stderr
+    assert "target per seed" not in proc.stdout

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import math
+import pickle
 import re
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 
 import numpy as np
@@ -635,3 +637,20 @@ def test_iter_chunks_from_an_offset() -> None:
     for bad in (-1, 20, 25):
         with pytest.raises(ValueError, match=r"start must be in \[0, 20\)"):
             list(codec.iter_chunks("x", enc, start=bad))
+
+
+def test_a_codec_error_crosses_a_process_boundary_whole() -> None:
+    """An error a worker process raises (the benchmark's --jobs, a Ray actor) reaches the parent pickled:
+    with ValueError's default pickling it could not be rebuilt, and the parent saw only a TypeError."""
+    with ProcessPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(_raise_codec_error, "conv1.weight")
+        with pytest.raises(CodecError) as caught:
+            future.result(timeout=60)
+    assert (caught.value.tensor, caught.value.kind) == ("conv1.weight", "fp16_overflow")
+    assert str(caught.value) == "tensor 'conv1.weight': 70000 overflows float16"
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert (type(again), again.args, again.reason) == (CodecError, caught.value.args, "70000 overflows float16")
+
+
+def _raise_codec_error(name: str) -> None:
+    raise CodecError(name, "70000 overflows float16", "fp16_overflow")
