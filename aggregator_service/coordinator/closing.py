@@ -177,7 +177,7 @@ class Closing:
         with shared.lock:
             shared.federation, shared.open = fed, None
             if done:
-                shared.state = "done"
+                shared.set_state("done")
         log.info(
             kv("round_closed", round=plan.round, reason=reason, reported=outcome.reported, cohort=len(plan.cohort))
         )

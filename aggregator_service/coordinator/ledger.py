@@ -27,7 +27,6 @@ from aggregator_service.errors import InvalidArgument
 from aggregator_service.metrics import category_of, fedavg_equivalent_bytes
 
 from .answers import ClientInfo
-from .registry import write_touches
 from .shared import Shared
 
 __all__ = ["Counts", "Ledger"]
@@ -157,7 +156,7 @@ class Ledger:
         try:
             with self.shared.prune_gate.write(), self.shared.factory.begin() as s:
                 drained = self.write(s)
-                write_touches(s, touches)
+                store.touch_clients(s, touches)
         except Exception:
             self.unwrite(drained)
             raise

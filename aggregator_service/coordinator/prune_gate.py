@@ -56,6 +56,7 @@ class PruneGate:
                 self._cond.wait_for(lambda: not self._pruning and self._writes == 0)
             finally:
                 self.closes_waiting -= 1
+                self._cond.notify_all()  # writes that queued behind this close may go, if it never gets in
             self._pruning = True
         try:
             yield

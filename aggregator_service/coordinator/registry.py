@@ -12,12 +12,9 @@ import hmac
 import logging
 import threading
 import time
-from collections.abc import Mapping
 from datetime import datetime, timedelta
 
-from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
 
 from aggregator_service import store
 from aggregator_service.errors import FailedPrecondition, InvalidArgument, PermissionDenied, Unauthenticated
@@ -29,7 +26,7 @@ from fedcore.tiers import CapabilityProfile, NoTierFitsError, assign_tier
 from .answers import ClientInfo, Registration
 from .shared import Shared
 
-__all__ = ["Registry", "write_touches"]
+__all__ = ["Registry"]
 
 log = logging.getLogger("fedatoms.aggregator")
 
@@ -171,7 +168,7 @@ class Registry:
         due = self._touch(row.id, row.last_seen, now)
         if due:
             with self.shared.factory.begin() as s:
-                write_touches(s, due)
+                store.touch_clients(s, due)
         return ClientInfo(row.id, float(row.tier), row.name, client_key(row.number))
 
     def _touch(self, client_id: str, last_seen: datetime, now: datetime) -> dict[str, datetime] | None:
@@ -205,8 +202,3 @@ class Registry:
     def _drain(self) -> dict[str, datetime]:
         pending, self._pending, self._pending_since = self._pending, {}, None
         return pending
-
-
-def write_touches(s: Session, touches: Mapping[str, datetime]) -> None:
-    if touches:
-        s.execute(update(store.Client), [{"id": cid, "last_seen": t} for cid, t in touches.items()])

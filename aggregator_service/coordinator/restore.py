@@ -88,7 +88,7 @@ def load(shared: Shared) -> None:
             log.info(
                 kv("federation_extended", name=settings.federation_name, after=fed.round, rounds=shared.config.rounds)
             )
-        shared.state = row.state
+        shared.set_state(row.state)
         shared.history_pruned_through = int(row.history_pruned_through or 0)
         shared.open = _load_open_round(s, row, fed)
         shared.settle()

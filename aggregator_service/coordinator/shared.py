@@ -67,6 +67,7 @@ class Shared:
         self._settled = threading.Condition(self.lock)
         self.open: OpenRound | None = None
         self.state = "running"
+        self._state_changes = 0  # in-process changes of ``state`` (:meth:`set_state`)
         # ``federations.history_pruned_through``: read at load, moved only by this process's closes
         # (``prune_history``, set once the close has committed: never ahead of the database), passed to every
         # ledger write
@@ -110,14 +111,22 @@ class Shared:
         """The open round, else the last closed (the caller holds the lock)."""
         return self.open.plan.round if self.open else self.federation.round
 
+    def set_state(self, state: str) -> None:
+        """The federation's state as this process just made it (the caller holds the lock)."""
+        self.state = state
+        self._state_changes += 1
+
     def refresh_state(self) -> None:
         """Follow the state another process (the dashboard) may have written: read without the write lock
-        (SQLite's reader engine) and outside the shared lock, which is taken only to change it."""
+        (SQLite's reader engine) and outside the shared lock, which is taken only to change it. A change this
+        process made meanwhile (a pause, the last round's close) is newer than what was read: it stands."""
+        with self.lock:
+            changes = self._state_changes
         with self.reader.connect() as conn:
             state = conn.execute(select(store.Federation.state).where(store.Federation.id == self.fed_row.id)).scalar()
         with self.lock:
-            if state is not None and state != self.state:
-                self.state = state
+            if state is not None and state != self.state and self._state_changes == changes:
+                self.set_state(state)
                 self.settle()
 
 

@@ -183,5 +183,5 @@ class Tasks:
             if shared.state == "done":
                 raise FailedPrecondition("the federation is done; it cannot be paused or resumed")
             store.set_federation_state(s, shared.fed_row, "paused" if paused else "running")
-            shared.state = "paused" if paused else "running"
+            shared.set_state("paused" if paused else "running")
             shared.settle()

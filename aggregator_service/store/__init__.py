@@ -107,6 +107,7 @@ from .repository import (
     tensor_metric_history,
     tensor_versions,
     touch_client,
+    touch_clients,
     verify_secret,
 )
 
@@ -200,6 +201,7 @@ __all__ = [
     "tensor_metric_history",
     "tensor_versions",
     "touch_client",
+    "touch_clients",
     "upgrade",
     "utcnow",
     "verify_secret",

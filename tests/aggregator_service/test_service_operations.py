@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_helpers import SECRET, register, shards, snapshot
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 
 from aggregator_service import store
 from fedatoms.cli import main
@@ -233,6 +233,51 @@ def test_pause_answers_wait_and_resume_continues(start_service, sqlite_url) -> N
     assert rnd == 1 and reply.accepted
     assert svc.coordinator.open_round is None  # the cohort reported: round 1 closed
     assert svc.coordinator.federation.round == 1
+
+
+def _a_pause_made_while_the_ticker_reads_the_state_stands(start_service, url: str) -> None:
+    """The ticker follows a state another process wrote by reading it outside the lock. A pause this process
+    commits after that read must not be undone by what the read saw ("running"), while a change another
+    process makes is still followed."""
+    svc = start_service(url)
+    shared = svc.coordinator.shared
+    reader = shared.reader
+    fired: list[bool] = []
+    paused: list[str] = []
+
+    def after(conn, cursor, statement, parameters, context, executemany) -> None:
+        # the read has run, and its row says "running" (on PostgreSQL the pause's own statements pass here too)
+        if "federations.state" in statement and not fired:
+            fired.append(True)
+            svc.coordinator.set_paused(True)
+            paused.append(shared.state)
+
+    event.listen(reader, "after_cursor_execute", after)
+    try:
+        shared.refresh_state()  # what every tick does first
+    finally:
+        event.remove(reader, "after_cursor_execute", after)
+    assert paused == ["paused"]
+    assert svc.coordinator.state == "paused"
+    engine = store.create_engine_for(url)
+    try:
+        with store.session_factory(engine).begin() as s:
+            fed = store.get_federation(s, "default")
+            assert fed.state == "paused"
+            store.set_federation_state(s, fed, "running")  # the dashboard resumes it
+        shared.refresh_state()
+        assert svc.coordinator.state == "running"
+    finally:
+        engine.dispose()
+
+
+def test_a_pause_made_while_the_ticker_reads_the_state_stands_sqlite(start_service, sqlite_url) -> None:
+    _a_pause_made_while_the_ticker_reads_the_state_stands(start_service, sqlite_url)
+
+
+@pytest.mark.usefixtures("postgres_url")
+def test_a_pause_made_while_the_ticker_reads_the_state_stands_postgres(start_service, postgres_url) -> None:
+    _a_pause_made_while_the_ticker_reads_the_state_stands(start_service, postgres_url)
 
 
 def test_report_evaluation_recorded_once_per_round_and_client(start_service, sqlite_url) -> None:

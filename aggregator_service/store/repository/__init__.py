@@ -51,6 +51,7 @@ from .enrollment import (
     save_engine_state,
     set_federation_state,
     touch_client,
+    touch_clients,
     verify_secret,
 )
 from .reports import (
@@ -148,5 +149,6 @@ __all__ = [
     "tensor_metric_history",
     "tensor_versions",
     "touch_client",
+    "touch_clients",
     "verify_secret",
 ]

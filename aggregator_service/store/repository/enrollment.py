@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from ..models import FEDERATION_STATES, Client, Federation
+from ..models import FEDERATION_STATES, Client, Federation, UTCDateTime
 from ._common import FederationExists, _attached, _aware, _count, _json, _now, _page
 
 __all__ = [
@@ -236,6 +236,22 @@ def touch_client(session: Session, client: Client, now: datetime | None = None) 
     row.last_seen = _now(now)
     session.flush()
     return row
+
+
+def touch_clients(session: Session, times: Mapping[str, datetime]) -> None:
+    """Record when each client (by id) was last heard from, in one statement run once per client. A time
+    older than the stored one changes nothing: a batch of deferred refreshes written after a newer one (a
+    client that came back online is written at once) must not make the client look away for longer."""
+    if not times:
+        return
+    table = Client.__table__
+    seen = bindparam("seen_at", type_=UTCDateTime())
+    statement = (
+        update(table)
+        .where(table.c.id == bindparam("client_id"), or_(table.c.last_seen.is_(None), table.c.last_seen < seen))
+        .values(last_seen=seen)
+    )
+    session.execute(statement, [{"client_id": cid, "seen_at": _aware(t, "last_seen")} for cid, t in times.items()])
 
 
 def online_clients(session: Session, fed: Federation, since: datetime) -> list[Client]:

@@ -137,6 +137,25 @@ def test_touch_accepts_a_row_from_another_session(db, world):
         assert again is not None and again.last_seen == world.t0 + timedelta(days=1)
 
 
+def test_batched_touches_never_move_a_last_seen_time_back(db, world):
+    """A batch of deferred refreshes can be written after a newer time was (a flush that waited behind a close,
+    while the client's return to online was written at once): the newer time stays."""
+    a, b, c = world.clients
+    later, earlier = world.t0 + timedelta(minutes=10), world.t0 + timedelta(minutes=3)
+    with db.factory.begin() as s:
+        store.touch_clients(s, {a: later})
+    with db.factory.begin() as s:
+        store.touch_clients(s, {a: earlier, b: earlier})  # a's is older than the stored one
+    with db.factory.begin() as s:
+        store.touch_clients(s, {c: later})
+        store.touch_clients(s, {})
+    with db.factory() as s:
+        seen = {cid: store.get_client(s, cid).last_seen for cid in (a, b, c)}  # type: ignore[union-attr]
+    assert seen == {a: later, b: earlier, c: later}
+    with db.factory.begin() as s, pytest.raises(ValueError, match="timezone-aware"):
+        store.touch_clients(s, {a: datetime(2031, 1, 1)})
+
+
 def test_naive_datetimes_are_refused(db, world):
     with db.factory.begin() as s:
         client = store.get_client(s, world.clients[0])
