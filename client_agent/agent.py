@@ -41,7 +41,7 @@ from fedcore.training import Dataset
 from fedcore.training.terms import MOVE_GROUPS, scale_move
 from fedwire.v1 import aggregator_pb2 as pb
 
-__all__ = ["CREDENTIALS_FILE", "EXIT_CODES", "Agent", "Credentials", "TrainingDiverged"]
+__all__ = ["CREDENTIALS_FILE", "EXIT_CODES", "Agent", "Credentials", "TrainingDiverged", "UpdateRefused"]
 
 log = logging.getLogger("fedatoms.client")
 
@@ -59,6 +59,10 @@ EXIT_CODES = {
 
 class TrainingDiverged(RuntimeError):
     """Local training produced NaN or Inf; pushing it would only be refused (INVALID_ARGUMENT)."""
+
+
+class UpdateRefused(RuntimeError):
+    """The aggregator refused an update as invalid, and this agent was told that ends its run (a simulation's)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,7 @@ class Agent:
         long_poll_seconds: float = LONG_POLL_SECONDS,
         allowed_models: tuple[str, ...] = DEFAULT_ALLOWED_MODELS,
         device: str | None = None,
+        refusal_ends_run: bool = False,
     ) -> None:
         self.client = client
         self.state_dir = Path(state_dir)
@@ -141,6 +146,10 @@ class Agent:
         # names: the device is the client's hardware, not the federation's; None: the task's (the server sends
         # "auto"). client_agent.update.on_device applies it, to both
         self.device = device
+        # True (a simulation's virtual clients, which all run this code): an update the aggregator refuses as
+        # invalid raises UpdateRefused, as diverged training does. Its round would wait for it until the
+        # deadline; a device drops the update and trains the next round it is given
+        self.refusal_ends_run = refusal_ends_run
         self.credentials: Credentials | None = None
         self.spec: ModelSpec | None = None
         self.state: ClientState | None = None
@@ -379,6 +388,11 @@ class Agent:
             s.pending = None  # and its strategy state with it: the server never folds this update
             s.evaluate_round = p.round if self.test_data is not None else None
             self._save()
+            if code == grpc.StatusCode.INVALID_ARGUMENT and self.refusal_ends_run:
+                who = self.credentials.client_id if self.credentials is not None else "?"
+                raise UpdateRefused(
+                    f"round {p.round}: the aggregator refused client {who}'s update: {exc.details()}"
+                ) from None
             return
         log.info("event=pushed round=%d duplicate=%s message=%s", p.round, reply.duplicate, json.dumps(reply.message))
         if p.strategy_state:  # kept once its round closes (_settle_taken), moved as far as the server folds it

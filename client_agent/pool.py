@@ -323,6 +323,7 @@ def run_worker(job: WorkerJob) -> dict[str, int]:
             defer_evaluation=True,
             allowed_models=job.allowed_models,
             device=job.device,
+            refusal_ends_run=True,
         )
         agent.ensure_registered()
         agents[i] = agent
@@ -401,10 +402,16 @@ def run_grpc_pool(
     # instead of leaving it waiting for a result that never comes
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
         pending = {pool.submit(run_worker, job) for job in jobs}
-        while pending:
-            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-            for future in done:
-                results.update(future.result())  # re-raises a worker's exception here
-            if poll is not None:
-                poll()
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                for future in done:
+                    results.update(future.result())  # re-raises a worker's exception here
+                if poll is not None:
+                    poll()
+        except BaseException:
+            # the other workers' agents would wait for rounds that cannot close without the failed ones
+            for process in list(pool._processes.values()):
+                process.terminate()
+            raise
     return results

@@ -157,6 +157,7 @@ def run_grpc_simulation(
         finally:
             reader.dispose()
             if owned is not None:
+                owned[2].coordinator.shared.stop_waiting()  # held GetTask calls (of agents a failure ended) answer now
                 owned[0].stop(grace=5).wait()
                 owned[0].aggregator_servicer.close()  # the kept pushes' spool files
                 owned[2].stop()

@@ -311,11 +311,17 @@ def _grpc_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from client_agent.agent import TrainingDiverged, UpdateRefused
     from fedatoms.simulate import run_simulation, write_results
 
     config = _config_from_args(args)
     bar = progress_printer(config.rounds)
-    results = run_simulation(config, progress=bar, model_out=args.save_model, on_start=bar.start, **_grpc_options(args))
+    try:
+        results = run_simulation(
+            config, progress=bar, model_out=args.save_model, on_start=bar.start, **_grpc_options(args)
+        )
+    except (TrainingDiverged, UpdateRefused) as exc:  # the run's setting, not a fault: one line, as in process
+        raise ValueError(str(exc)) from None
     if args.save_model is not None:
         print(f"final global model written to {args.save_model} (fedatoms predict, fedatoms.load_model)")
     if config.output:
