@@ -38,6 +38,7 @@ def pytest_report_header() -> list[str]:
 SLOW = (
     "tests/test_simulate.py::test_learning_on_digits_fedavg_atoms_and_fedlama",
     "tests/test_simulate.py::test_cli_demo_runs_again_in_the_same_output_directory",
+    "tests/test_simulate.py::test_a_grpc_simulation_whose_updates_are_refused_ends_at_once_in_one_line[ray]",
     "tests/test_ray_engine.py::",
     "tests/test_simulate_data.py::test_a_batchnorm_model_learns_over_grpc_in_eval_mode",
     "tests/test_simulate_data.py::test_simulate_over_grpc_runs_the_users_own_model",

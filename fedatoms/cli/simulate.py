@@ -243,6 +243,11 @@ class ProgressBar:
         if self._bar.n >= self.total:
             self._bar.close()
 
+    def close(self) -> None:
+        """End the bar's line (a run that stopped early): what is printed next starts a line of its own."""
+        if self._bar is not None:
+            self._bar.close()
+
 
 def progress_printer(total: int, label: str = "round") -> ProgressBar:
     """The progress bar of a run: pass it as ``progress`` and its ``start`` as ``on_start``."""
@@ -321,7 +326,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             config, progress=bar, model_out=args.save_model, on_start=bar.start, **_grpc_options(args)
         )
     except (TrainingDiverged, UpdateRefused) as exc:  # the run's setting, not a fault: one line, as in process
-        raise ValueError(str(exc)) from None
+        # raised in a Ray actor, it comes wrapped with the actor's traceback; ``cause`` is the agent's error
+        raise ValueError(str(getattr(exc, "cause", None) or exc)) from None
+    finally:
+        bar.close()
     if args.save_model is not None:
         print(f"final global model written to {args.save_model} (fedatoms predict, fedatoms.load_model)")
     if config.output:

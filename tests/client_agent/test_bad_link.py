@@ -107,7 +107,8 @@ def test_a_download_cut_again_and_again_resumes_with_the_tensors_it_completed(tm
         fetched = cut.fetch(spec, {})
         reference = direct.fetch(spec, {})
     total = sum(t.numel() * t.element_size() for t, _ in reference.model.values())
-    assert total > 40 * 2**20 and proxy.cuts >= 2 and len(retries) == proxy.cuts
+    # a retry per cut; a cut can also break the next connection before its first message (a CI run saw one)
+    assert total > 40 * 2**20 and proxy.cuts >= 2 and proxy.cuts <= len(retries) <= 2 * proxy.cuts
     assert proxy.down_bytes < total + 2 * 16 * 2**20  # at most the two cut attempts' bytes were lost
     assert fetched.model.keys() == reference.model.keys()
     for name, (tensor, version) in reference.model.items():
