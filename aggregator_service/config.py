@@ -7,6 +7,7 @@ so a setting tried in simulation means the same thing in production.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -490,6 +491,27 @@ class AggregatorSettings(TomlSettings):
     federation: FederationConfig = Field(default_factory=FederationConfig)
     #: The ``[dashboard]`` table of a shared TOML file: `fedatoms dashboard serve` reads it, the aggregator does not.
     dashboard: dict[str, Any] | None = None
+
+    @field_validator("federation", mode="before")
+    @classmethod
+    def _parse_structured_text(cls, value: Any) -> Any:
+        """List and table keys given as text (``FEDATOMS_FEDERATION__TIERS='[1, 0.5]'`` or ``'1,0.5'``): pydantic
+        passes an environment variable of a dataclass's field through as the string it is."""
+        if not isinstance(value, Mapping):
+            return value
+        parsed = dict(value)
+        for f in fields(FederationConfig):
+            text, kind = parsed.get(f.name), str(f.type)
+            if not isinstance(text, str) or not kind.startswith(("list", "dict")):
+                continue
+            try:
+                parsed[f.name] = json.loads(text)
+            except json.JSONDecodeError:
+                if kind.startswith("list"):  # comma-separated, as the CLI flags take them
+                    parsed[f.name] = [t.strip() for t in text.split(",") if t.strip()]
+                else:
+                    raise ValueError(f"{f.name}: {text!r} is not a JSON object") from None
+        return parsed
 
     @field_validator("eval_data")
     @classmethod

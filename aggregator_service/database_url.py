@@ -14,7 +14,7 @@ from pydantic import AfterValidator
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
-__all__ = ["DatabaseURL", "check_url", "shown"]
+__all__ = ["DatabaseURL", "check_url", "shown", "unreadable"]
 
 
 def check_url(url: str) -> URL:
@@ -43,6 +43,13 @@ def shown(url: str) -> str:
         return make_url(url).render_as_string(hide_password=True)
     except ArgumentError:
         return re.sub(r"(//[^:/@]*|^[^:/@]*):.*@", r"\1:***@", url)
+
+
+def unreadable(url: str, exc: BaseException) -> ValueError:
+    """A database the command cannot reach or read (no server, a missing database, refused credentials), in one
+    line: the driver's first line, the URL with its password hidden."""
+    first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
+    return ValueError(f"cannot read the database {shown(url)}: {first}")
 
 
 def _database_url(value: str) -> str:

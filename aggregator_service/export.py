@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from aggregator_service import store
 from aggregator_service.config import nested_rank_ratio_for, stored_keys, stored_spec
-from aggregator_service.database_url import check_url, shown
+from aggregator_service.database_url import check_url, shown, unreadable
 from aggregator_service.intervals import EveryRound
 from aggregator_service.rounds import CohortSampler, Federation
 from aggregator_service.strategies.fedavg import FedAvg
@@ -41,8 +41,7 @@ def _existing_store(database_url: str, *, read_only: bool = False) -> Iterator[S
         try:  # the migrations' own table, looked up without alembic (which logs as it opens a context)
             migrated = inspect(engine).has_table("alembic_version")
         except SQLAlchemyError as exc:
-            first = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-            raise ValueError(f"cannot read the database {shown}: {first}") from exc
+            raise unreadable(database_url, exc) from exc
         if not migrated:
             raise ValueError(f"{shown} holds no fedatoms store (never migrated): check --database-url")
         with store.session_factory(engine).begin() as s:

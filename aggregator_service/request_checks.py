@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 
 from aggregator_service.errors import InvalidArgument
 
-__all__ = ["MAX_NAME_CHARS", "MAX_ROUND", "MAX_TEXT_CHARS", "check_message", "check_name", "decode"]
+__all__ = ["MAX_MAP_ENTRIES", "MAX_NAME_CHARS", "MAX_ROUND", "MAX_TEXT_CHARS", "check_message", "check_name", "decode"]
 
 #: Rounds and counts are stored as 32-bit integers (PostgreSQL ``integer``); no federation gets near.
 MAX_ROUND = 2**31 - 1
@@ -25,6 +25,8 @@ MAX_ROUND = 2**31 - 1
 MAX_NAME_CHARS = 128
 #: Any other string a client sends (the enrollment secret, dtype names).
 MAX_TEXT_CHARS = 1024
+#: Entries of a map a client sends (a push's or an evaluation's metrics): each round stores the cohort's keys.
+MAX_MAP_ENTRIES = 256
 
 _NAMES = frozenset({"client_name", "device_name", "name", "update_id", "dtype"})
 _COUNTS = frozenset({"round", "num_samples"})
@@ -62,6 +64,8 @@ def check_message(message: Message, path: str = "") -> None:
     for field, value in message.ListFields():
         where = f"{path}{field.name}"
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            if len(value) > MAX_MAP_ENTRIES:
+                raise InvalidArgument(f"{where} has {len(value)} entries; at most {MAX_MAP_ENTRIES} are accepted")
             for key in value:
                 if isinstance(key, str):
                     check_name(f"{where} key {key[:40]!r}", key)
@@ -72,6 +76,9 @@ def check_message(message: Message, path: str = "") -> None:
                 check_message(v, f"{where}.")
             elif field.type == FieldDescriptor.TYPE_STRING:
                 check_name(where, v, MAX_NAME_CHARS if field.name in _NAMES else MAX_TEXT_CHARS)
+            elif field.type == FieldDescriptor.TYPE_ENUM and v not in field.enum_type.values_by_number:
+                known = ", ".join(f"{e.number} ({e.name})" for e in field.enum_type.values)
+                raise InvalidArgument(f"{where} = {v} is not a value this server knows: {known}")
             elif _counted(message, field) and not 0 <= v <= MAX_ROUND:
                 raise InvalidArgument(f"{where} = {v} is out of range: it must be between 0 and {MAX_ROUND}")
 

@@ -27,12 +27,14 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import InterfaceError, OperationalError
 from torch import Tensor
 
 from aggregator_service import request_checks, store
 from aggregator_service.admission import Gate, LatestPerClient
 from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
 from aggregator_service.coordinator import ClientInfo, Coordinator, Done, OpenRound, PushResult, Train, kv
+from aggregator_service.database_url import unreadable
 from aggregator_service.errors import (
     Aborted,
     IncompleteUpdate,
@@ -71,7 +73,14 @@ CUT_STREAM_GRACE_SECONDS = 1.0
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+#: The longest error message sent: it travels in a trailer, and gRPC cuts a call whose metadata passes 8 KiB
+#: (RESOURCE_EXHAUSTED, "Stream removed"), which a message quoting a hostile 20,000-character name would.
+MAX_DETAIL_CHARS = 2000
+
+
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    if len(message) > MAX_DETAIL_CHARS:
+        message = f"{message[: MAX_DETAIL_CHARS - 40]} … ({len(message)} characters in all)"
     context.abort(code, message)
     raise AssertionError("context.abort returned")  # pragma: no cover
 
@@ -231,7 +240,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             model_spec_json=reg.spec_json,
             federation=self.settings.federation_name,
             heartbeat_interval_seconds=self.settings.heartbeat_timeout_seconds / 3,
-            **_normalization_fields(self.settings.federation.normalization),
+            **_normalization_fields(self.coordinator.shared.config.normalization),
         )
 
     @_rpc
@@ -640,6 +649,10 @@ def _decoding(behaviour: Callable[..., Any], parse: Callable[[bytes], Any], what
         message = request_checks.decode(parse, data, what)
         if isinstance(message, Message):
             request_checks.check_message(message)
+        else:  # PushUpdate's chunks, parsed in place: their strings by the same rules
+            for _kind, chunk in message:
+                request_checks.check_name("chunk.name", chunk.name)
+                request_checks.check_name("chunk.dtype", chunk.dtype)
         return message
 
     if streaming:  # the handler iterates: its errors map as every other refusal does (_rpc)
@@ -785,6 +798,8 @@ def serve(settings: AggregatorSettings) -> int:
     except store.FederationBusy as exc:
         log.error(kv("federation_busy", detail=str(exc)))
         return 1
+    except (OperationalError, InterfaceError) as exc:  # no server, no such database, credentials refused
+        raise unreadable(settings.database_url, exc) from exc
 
 
 def _serve(settings: AggregatorSettings, lock: store.FederationLock) -> int:

@@ -217,6 +217,8 @@ class Agent:
             log.info("event=fitting_data samples=%d input=%s", len(self.train_data), _shape(self.spec.input_shape))
         train, test, used = fit_to_model(self.train_data, self.test_data, self.spec.input_shape, given)
         check_labels(train, self.spec.num_classes)
+        if test is not None:
+            check_labels(test, self.spec.num_classes)
         if used is not None:
             log.info(
                 "event=data_fitted input=%s normalization=%s mean=%s std=%s",

@@ -53,5 +53,6 @@ def check_reference(model: str, allowed: Sequence[str]) -> str:
         f"model {model!r} is not allowed here: it would import "
         f"{reference_module(model)!r}. Allowed: the zoo"
         + (f", {', '.join(allowed)}" if allowed else "")
-        + f". If you trust this federation's model code, run with --allow-model {reference_module(model)}"
+        + f". If you trust this federation's model code, allow it: --allow-model {reference_module(model)} "
+        f"(fedatoms.load_model: allowed_models=[{reference_module(model)!r}])"
     )

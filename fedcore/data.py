@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Subset
+from torch.utils.data import Subset, TensorDataset
 
 __all__ = [
     "DATASETS",
@@ -190,6 +190,8 @@ def known_labels(data: Any) -> np.ndarray | None:
     if isinstance(data, Subset):
         base = known_labels(data.dataset)
         return None if base is None else base[np.asarray(data.indices, dtype=np.int64)]
+    if isinstance(data, TensorDataset) and len(data.tensors) == 2 and data.tensors[1].dim() == 1:
+        return np.asarray(data.tensors[1].cpu(), dtype=np.int64)  # (inputs, labels), as returned by a reference
     targets = getattr(data, "targets", None)
     if targets is not None and len(targets) == len(data):
         return np.asarray(targets.cpu() if isinstance(targets, torch.Tensor) else targets, dtype=np.int64)
@@ -219,10 +221,13 @@ def check_labels(data: Any, num_classes: int) -> None:
         return
     low, high = int(y.min()), int(y.max())
     if low < 0 or high >= num_classes:
-        raise ValueError(
-            f"the data has labels {low}..{high} but the model has {num_classes} classes: an ImageFolder needs the "
-            f"same class folders on every device (empty ones allowed), or folders named 0..{num_classes - 1}"
+        hint = (
+            "an ImageFolder needs the same class folders on every device (empty ones allowed), or folders named "
+            f"0..{num_classes - 1}"
+            if named is not None
+            else f"labels are the federation's class indices 0..{num_classes - 1}"
         )
+        raise ValueError(f"the data has labels {low}..{high} but the model has {num_classes} classes: {hint}")
 
 
 def _class_to_idx(data: Any) -> dict[str, int] | None:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset, Subset
 
-from fedcore.data import DATASETS, labels_of, load_dataset
+from fedcore.data import DATASETS, check_labels, labels_of, load_dataset
 from fedcore.model_input import Normalization, fit_to_model
 from fedcore.reference import import_attribute
 
@@ -76,6 +76,7 @@ def open_data(
 def evaluation_set(
     text: str,
     input_shape: tuple[int, ...],
+    num_classes: int,
     normalization: Normalization | None = None,
     data_dir: str | Path | None = None,
 ) -> Any:
@@ -83,11 +84,17 @@ def evaluation_set(
 
     Images are normalized with the federation's ``normalization``, else with this test split's own
     statistics (every party normalizes by its own data). A reference that returns no test set has none.
+    Its labels are checked as a device's are, before the first round: a label past the model's classes
+    would fail every close, and named class folders missing one would be numbered differently.
     """
     _, test = open_data(text, data_dir, label="eval_data")
     if test is None or len(test) == 0:  # type: ignore[arg-type]  # map-style datasets have a length
         raise DataSourceError(f"eval_data {text!r} has no test split to evaluate on")
-    fitted, _, _ = fit_to_model(test, None, input_shape, normalization)
+    try:
+        check_labels(test, num_classes)
+        fitted, _, _ = fit_to_model(test, None, input_shape, normalization, first="evaluation")
+    except ValueError as exc:
+        raise DataSourceError(f"eval_data {text!r}: {exc}") from None
     return fitted
 
 
@@ -117,7 +124,9 @@ def _image_folder(path: Path, class_to_idx: dict[str, int] | None = None) -> Any
         class_to_idx = {c: int(c) for c in classes} if numbered else {c: i for i, c in enumerate(classes)}
     else:
         unknown = sorted(set(classes) - set(class_to_idx))
-        if unknown:
+        if unknown and all(c.isdigit() for c in [*classes, *class_to_idx]):
+            class_to_idx = {**class_to_idx, **{c: int(c) for c in unknown}}  # a number is its label
+        elif unknown:
             raise DataSourceError(f"{path}: classes {unknown} are not in the training folder")
 
     try:

@@ -101,6 +101,8 @@ def read_model_file(path: str | Path) -> ModelFile:
     """Read a file :func:`write_model_file` wrote; builds nothing (the caller checks the reference first)."""
     from safetensors import SafetensorError, safe_open
 
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such model file")
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = dict(f.metadata() or {})

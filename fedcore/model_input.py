@@ -101,7 +101,13 @@ def needs_fitting(data: Any) -> bool:
         return False
     from PIL import Image
 
-    item = data[0][0]
+    first = data[0]
+    if not (isinstance(first, tuple | list) and len(first) == 2):
+        raise ValueError(
+            f"dataset items are {type(first).__name__}, not (image, label) pairs: a dataset's __getitem__ returns "
+            "the image (PIL or tensor) and its integer label, as torchvision's datasets do"
+        )
+    item = first[0]
     if isinstance(item, Image.Image):
         return True
     if isinstance(item, Tensor):
@@ -136,22 +142,37 @@ def channel_stats(data: Any, input_shape: Sequence[int], *, batch_size: int = 25
 def _check_ready(name: str, data: Any, input_shape: Sequence[int]) -> None:
     x = data.x[0] if isinstance(data, ArrayDataset) else data[0][0]
     if tuple(x.shape) != tuple(input_shape):
+        hint = (
+            f"the {data.name} dataset's images do not fit this federation's model; train on data shaped for it"
+            if isinstance(data, ArrayDataset)
+            else "return PIL images to have fedatoms resize them, or transform to the model's input shape"
+        )
         raise ValueError(
-            f"the {name} inputs have shape {tuple(x.shape)} but the model takes {tuple(input_shape)}: "
-            "return PIL images to have fedatoms resize them, or transform to the model's input shape"
+            f"the {name} inputs have shape {tuple(x.shape)} but the model takes {tuple(input_shape)}: {hint}"
+        )
+    if not x.is_floating_point():
+        raise ValueError(
+            f"the {name} inputs are {x.dtype} tensors: the model takes floating-point inputs (torchvision's "
+            "ToTensor scales uint8 images to [0, 1]), or return PIL images to have fedatoms convert them"
         )
 
 
 def fit_to_model(
-    train: Any, test: Any, input_shape: Sequence[int], normalization: Normalization | None = None
+    train: Any,
+    test: Any,
+    input_shape: Sequence[int],
+    normalization: Normalization | None = None,
+    *,
+    first: str = "training",
 ) -> tuple[Any, Any, Normalization | None]:
     """``(train, test, normalization used)`` ready for the model; image datasets get the default transforms.
 
     ``normalization`` ``None``: computed from ``train`` (:func:`channel_stats`); datasets of tensors are
-    returned as they are (the normalization used is then ``None``: theirs, unknown to fedatoms).
+    returned as they are (the normalization used is then ``None``: theirs, unknown to fedatoms). ``first``
+    names ``train`` in errors (the server's evaluation set is fitted alone, as ``train``).
     """
     if not needs_fitting(train):
-        for name, ds in (("training", train), ("test", test)):
+        for name, ds in ((first, train), ("test", test)):
             if ds is not None and len(ds):
                 if needs_fitting(ds):
                     raise ValueError("the training set gives tensors but the test set gives images: give both alike")

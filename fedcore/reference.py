@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from fedcore.models import MODELS
 
@@ -111,8 +112,16 @@ def build_reference(model: str, args: Mapping[str, Any]) -> nn.Module:
     builder = resolve(model)
     try:
         net = builder(**dict(args))
-    except TypeError as exc:
-        raise ValueError(f"model {model!r} cannot be built with arguments {dict(args)}: {exc}") from exc
+    except Exception as exc:  # the user's builder: whatever it raises is the model's error, named
+        raise ValueError(
+            f"model {model!r} cannot be built with arguments {dict(args)}: {type(exc).__name__}: {exc}"
+        ) from exc
     if not isinstance(net, nn.Module):
         raise ValueError(f"model {model!r} returned {type(net).__name__}, not an nn.Module")
+    lazy = sorted({type(m).__name__ for m in net.modules() if isinstance(m, LazyModuleMixin)})
+    if lazy:
+        raise ValueError(
+            f"model {model!r} has lazy modules ({', '.join(lazy)}): the aggregator needs every tensor's shape "
+            "before any data is seen; give their input sizes (nn.Conv2d, nn.Linear, …)"
+        )
     return net

@@ -181,19 +181,30 @@ def _forward_facts(spec: ModelSpec) -> int:
 
 
 def _check_outputs(spec: ModelSpec, net: nn.Module) -> None:
-    """A forward pass of ``input_shape`` must give ``num_classes`` logits, or training would fail mid-round."""
+    """A forward pass of ``input_shape`` must give ``num_classes`` logits, in training mode as in evaluation
+    mode (some models return auxiliary outputs only while training), or training would fail mid-round."""
+    for mode in ("eval", "train"):
+        net.train(mode == "train")
+        try:
+            with torch.no_grad():  # two samples: train-mode BatchNorm cannot normalize one
+                out = net(torch.zeros(2, *spec.input_shape, device="meta"))  # type: ignore[misc]  # as above
+        except Exception as exc:  # any failure of a user's forward is reported with the shape tried
+            raise ValueError(
+                f"model {spec.model!r} cannot take inputs of shape {list(spec.input_shape)} in {mode} mode: {exc}"  # type: ignore[arg-type]  # as above
+            ) from exc
+        if not isinstance(out, Tensor):
+            raise ValueError(
+                f"model {spec.model!r} returns {type(out).__name__} in {mode} mode, not a tensor of class scores: "
+                "fedatoms trains on the logits alone (torchvision's GoogLeNet and Inception: aux_logits=False "
+                "in the model's arguments)"
+            )
+        if tuple(out.shape) != (2, spec.num_classes):
+            raise ValueError(
+                f"model {spec.model!r} gives outputs of shape {list(out.shape[1:])} per sample, not "
+                f"{spec.num_classes} class scores: pass num_classes in the model's arguments (model_args: "
+                "[federation.model_args] of a federation file, --model-args of simulate)"
+            )
     net.eval()
-    try:
-        with torch.no_grad():
-            out = net(torch.zeros(1, *spec.input_shape, device="meta"))  # type: ignore[misc]  # as above
-    except Exception as exc:  # any failure of a user's forward is reported with the shape tried
-        raise ValueError(f"model {spec.model!r} cannot take inputs of shape {list(spec.input_shape)}: {exc}") from exc  # type: ignore[arg-type]  # as above
-    if isinstance(out, Tensor) and tuple(out.shape) != (1, spec.num_classes):
-        raise ValueError(
-            f"model {spec.model!r} gives outputs of shape {list(out.shape[1:])} per sample, not {spec.num_classes} "
-            "class scores: pass num_classes in the model's arguments (model_args: [federation.model_args] of a "
-            "federation file, --model-args of simulate)"
-        )
 
 
 @dataclass(frozen=True)

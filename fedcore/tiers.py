@@ -27,6 +27,10 @@ TIERS: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125)
 BYTES_PER_TRAINED_PARAMETER = 16
 
 
+#: The largest integer a profile's counts may hold: the wire's int64.
+INT64_MAX = 2**63 - 1
+
+
 @dataclass(frozen=True)
 class CapabilityProfile:
     """What a client says (or measured) about itself; ``None`` means "no limit declared"."""
@@ -46,6 +50,10 @@ class CapabilityProfile:
             value = getattr(self, name)
             if value is not None and (not _number(value) or not math.isfinite(value) or value < 0):
                 raise ValueError(f"{name} must be a finite number ≥ 0 (or left out: no limit), got {value!r}")
+        for name in ("memory_bytes", "num_samples"):  # 64-bit integers on the wire (RegisterRequest)
+            value = getattr(self, name)
+            if isinstance(value, int) and value > INT64_MAX:
+                raise ValueError(f"{name} = {value} is out of range: at most {INT64_MAX} (2^63 − 1)")
         if isinstance(self.num_samples, bool) or not isinstance(self.num_samples, int) or self.num_samples < 0:
             raise ValueError(f"num_samples must be an integer ≥ 0, got {self.num_samples!r}")
         if self.preferred_tier is not None and not _number(self.preferred_tier):

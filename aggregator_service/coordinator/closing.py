@@ -33,6 +33,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from aggregator_service import store
+from aggregator_service.config import AggregatorSettings
 from aggregator_service.logfmt import kv
 from aggregator_service.low_priority import at_lowest_priority
 from aggregator_service.metrics import total_dispersion
@@ -51,28 +52,33 @@ __all__ = ["Closing"]
 log = logging.getLogger("fedatoms.aggregator")
 
 
+def load_eval_data(settings: AggregatorSettings) -> Any:
+    """The server's ``eval_data`` fitted to the model, labels checked, or ``None`` without one."""
+    if not settings.eval_data:
+        return None
+    from fedcore.datasource import evaluation_set
+    from fedcore.model_input import Normalization
+
+    norm = settings.federation.normalization
+    return evaluation_set(
+        settings.eval_data,
+        settings.federation.spec.input_shape,
+        settings.federation.spec.num_classes,
+        None if norm is None else Normalization.from_dict(norm),
+        settings.eval_data_dir,
+    )
+
+
 class Closing:
     """Round closes and deadlines; no lock of its own: the open round's ``closing`` mark admits one close."""
 
-    def __init__(self, shared: Shared, ledger: Ledger) -> None:
+    def __init__(self, shared: Shared, ledger: Ledger, eval_data: Any = None) -> None:
         self.shared = shared
         self.ledger = ledger
-        self._eval_data: Any = None
+        self._eval_data: Any = eval_data if eval_data is not None else load_eval_data(shared.settings)
         # (round, cause) of the last failed close, and what was done about it; closes never overlap
         self._last_failure: tuple[int, str] | None = None
         self._action = "retry"
-        settings = shared.settings
-        if settings.eval_data:
-            from fedcore.datasource import evaluation_set
-            from fedcore.model_input import Normalization
-
-            norm = settings.federation.normalization
-            self._eval_data = evaluation_set(
-                settings.eval_data,
-                settings.federation.spec.input_shape,
-                None if norm is None else Normalization.from_dict(norm),
-                settings.eval_data_dir,
-            )
 
     def close(self, op: OpenRound, reason: str) -> None:
         """Close ``op``, which the caller marked ``closing``.
@@ -105,17 +111,29 @@ class Closing:
             try:
                 with shared.factory.begin() as s:
                     store.lock_round(s, shared.fed_row, round_)
-                    store.abandon_round(s, shared.fed_row, round_, now=shared.clock())
+                    self._abandon(s, round_, shared.clock())
             except Exception:  # the round is not open any more, or the database failed: the next tick decides
                 log.exception(kv("round_abandon_failed", round=round_))
             else:
                 self._action = "abandoned"
 
+    def _abandon(self, s: Session, round_: int, now: datetime) -> None:
+        """Abandon the open round in ``s``; the last of ``rounds`` ends the federation with it, as a close would."""
+        shared = self.shared
+        store.abandon_round(s, shared.fed_row, round_, now=now)
+        if round_ >= shared.config.rounds:
+            store.set_federation_state(s, shared.fed_row, "done")
+
     def _forget_open(self) -> None:
-        """The open round is gone (abandoned): no cohort (under the lock)."""
-        self.shared.open = None
-        self.shared.federation.cohort = ()
-        self.shared.settle()
+        """The open round is gone (abandoned, committed): no cohort; it counts toward ``rounds`` (under the lock)."""
+        shared = self.shared
+        if shared.open is not None:
+            shared.last_ended = max(shared.last_ended, shared.open.plan.round)
+            if shared.last_ended >= shared.config.rounds:
+                shared.set_state("done")
+        shared.open = None
+        shared.federation.cohort = ()
+        shared.settle()
 
     def _close(self, op: OpenRound, reason: str) -> RoundOutcome:
         shared, plan = self.shared, op.plan
@@ -175,7 +193,7 @@ class Closing:
                 break
             log.info(kv("round_close_refolded", round=plan.round))
         with shared.lock:
-            shared.federation, shared.open = fed, None
+            shared.federation, shared.open, shared.last_ended = fed, None, plan.round
             if done:
                 shared.set_state("done")
         log.info(
@@ -273,7 +291,7 @@ class Closing:
             if not met and not op.extended:
                 store.extend_round(s, shared.fed_row, r, deadline)
             elif not met:
-                store.abandon_round(s, shared.fed_row, r, now=now)
+                self._abandon(s, r, now)
         if met:
             return "deadline_quorum"
         if not op.extended:

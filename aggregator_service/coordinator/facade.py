@@ -16,7 +16,7 @@ from aggregator_service import store
 from aggregator_service.config import AggregatorSettings
 from aggregator_service.rounds import Federation, RoundPlan
 
-from .closing import Closing
+from .closing import Closing, load_eval_data
 from .evaluations import Evaluations
 from .ledger import Ledger
 from .registry import Registry
@@ -38,6 +38,7 @@ class Coordinator:
         *,
         clock: Callable[[], datetime] = lambda: datetime.now(UTC),
         enrollment_iterations: int = store.ENROLLMENT_PBKDF2_ITERATIONS,
+        eval_data: Any = None,
     ) -> None:
         self.settings = settings
         self.clock = clock
@@ -45,7 +46,7 @@ class Coordinator:
         self.shared = shared = Shared(settings, factory, clock, enrollment_iterations)
         self.registry = Registry(shared)
         self.ledger = Ledger(shared)
-        self.closing = Closing(shared, self.ledger)
+        self.closing = Closing(shared, self.ledger, eval_data)
         self.uploads = Uploads(shared, self.ledger, close=self.closing.close)
         self.tasks = Tasks(shared)
         self.evaluations = Evaluations(shared)
@@ -67,9 +68,12 @@ class Coordinator:
 
     @classmethod
     def from_settings(cls, settings: AggregatorSettings, **kwargs: Any) -> Coordinator:
-        """Migrate the database to the newest schema, connect, and load (or create) the federation."""
+        """Read the evaluation data (refused before the database is touched), migrate the database to the
+        newest schema, connect, and load (or create) the federation."""
+        eval_data = load_eval_data(settings)
         store.upgrade(settings.database_url)
-        return cls(settings, store.session_factory(store.create_engine_for(settings.database_url)), **kwargs)
+        factory = store.session_factory(store.create_engine_for(settings.database_url))
+        return cls(settings, factory, eval_data=eval_data, **kwargs)
 
     # -- the shared state
 

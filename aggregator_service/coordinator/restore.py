@@ -66,7 +66,15 @@ def load(shared: Shared) -> None:
                 log.warning(kv("federation_keeps_old_defaults", name=settings.federation_name, keeps=kept))
                 shared.config = replace(shared.config, **kept)
             _record_benchmark_normalization(shared, row)
+            stored_norm = row.config.get("normalization")
+            if stored_norm is not None and shared.config.normalization is None:
+                # recorded at creation (given, or a benchmark's with eval_data): the clients normalize by it
+                # still, whether or not this start names it (eval_data turned off, say)
+                shared.config = replace(shared.config, normalization=stored_norm)
             _check_config(shared, row.config)
+            for key in _MUTABLE_CONFIG_KEYS:  # what the dashboard shows as planned follows the configuration
+                if row.config.get(key) != getattr(shared.config, key):
+                    row.config = {**row.config, key: getattr(shared.config, key)}
         total = store.count_clients(s, row, include_revoked=False)
         predates = {k: v for k, v in KEYS_SINCE.items() if not created and k not in row.config}
         if predates:
@@ -83,11 +91,24 @@ def load(shared: Shared) -> None:
         else:
             _restore(s, row, fed)
         shared.fed_row, shared.federation = row, fed
-        if row.state == "done" and fed.round < shared.config.rounds:  # rounds raised: the federation goes on
+        ended = s.scalar(
+            select(func.max(store.Round.number)).where(
+                store.Round.federation_id == row.id, store.Round.state.in_(("closed", "abandoned"))
+            )
+        )
+        shared.last_ended = int(ended or 0)
+        if row.state == "done" and shared.last_ended < shared.config.rounds:  # rounds raised: it goes on
             row.state = "running"
             log.info(
-                kv("federation_extended", name=settings.federation_name, after=fed.round, rounds=shared.config.rounds)
+                kv(
+                    "federation_extended",
+                    name=settings.federation_name,
+                    after=shared.last_ended,
+                    rounds=shared.config.rounds,
+                )
             )
+        elif row.state != "done" and shared.last_ended >= shared.config.rounds:  # ended before it was marked so
+            row.state = "done"
         shared.set_state(row.state)
         shared.history_pruned_through = int(row.history_pruned_through or 0)
         shared.open = _load_open_round(s, row, fed)

@@ -66,6 +66,9 @@ class Shared:
         self.lock = threading.RLock()
         self._settled = threading.Condition(self.lock)
         self.open: OpenRound | None = None
+        # the latest round that ended, closed or abandoned: an abandoned round counts toward ``rounds``
+        # (``federation.round`` is the latest closed, the model's)
+        self.last_ended = 0
         self.state = "running"
         self._state_changes = 0  # in-process changes of ``state`` (:meth:`set_state`)
         # ``federations.history_pruned_through``: read at load, moved only by this process's closes

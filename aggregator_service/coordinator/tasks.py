@@ -99,8 +99,8 @@ class Tasks:
         """The answer now (under the settled lock); a Wait says ``retry`` seconds."""
         shared, config = self.shared, self.shared.config
         fed = shared.federation
-        if shared.state == "done" or fed.round >= config.rounds:
-            return Done(f"federation finished after {fed.round} rounds", fed.round)
+        if shared.state == "done" or shared.last_ended >= config.rounds:  # an abandoned round counts
+            return Done(f"federation finished after {shared.last_ended} rounds", fed.round)
         if shared.state == "paused":
             return Wait(retry, "federation paused by the operator")
         if shared.open is None:

@@ -12,11 +12,16 @@ __all__ = ["add_parser"]
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
     from aggregator_service import store
-    from aggregator_service.database_url import shown
+    from aggregator_service.database_url import shown, unreadable
 
     url = database_url(args)
-    store.upgrade(url)
+    try:
+        store.upgrade(url)
+    except (OperationalError, InterfaceError) as exc:
+        raise unreadable(url, exc) from exc
     print(f"{shown(url)}: schema at {store.head_revision()}")
     return 0
 

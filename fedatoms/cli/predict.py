@@ -22,6 +22,8 @@ def load_image(path: Path, input_shape: tuple[int, ...], normalization: dict[str
         with Image.open(path) as image:
             image.load()
             return image_transform(input_shape, given)(image)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
     except (OSError, UnidentifiedImageError) as exc:
         raise ValueError(f"{path}: not an image ({exc})") from None
 

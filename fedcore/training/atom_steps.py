@@ -27,6 +27,7 @@ pair cut from a random layer, whose lower ``σ_i`` are small, learns slowly ther
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -48,9 +49,13 @@ DAMPING = 0.1
 
 
 def _top_squared_singular_value(matrix: torch.Tensor) -> float:
-    """``‖M‖₂²`` from the small Gram matrix (``M`` is tall or wide; its short side is ``m`` or ``k²``)."""
+    """``‖M‖₂²`` from the small Gram matrix (``M`` is tall or wide; its short side is ``m`` or ``k²``); infinite
+    for a non-finite ``M`` (training has diverged: the factor takes no step, and the check after training says so,
+    where ``eigvalsh`` would fail to converge)."""
     m = matrix.detach().to(torch.float64)
     gram = m.T @ m if m.shape[0] >= m.shape[1] else m @ m.T
+    if not bool(torch.isfinite(gram).all()):
+        return math.inf
     return float(torch.linalg.eigvalsh(gram)[-1])
 
 

@@ -28,6 +28,7 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 256, device: 
         with torch.no_grad():
             for xb, yb in batches.epoch(batch_size, None):
                 logits = model(xb)
+                batches.check_classes(logits.shape[-1])
                 loss_sum += F.cross_entropy(logits, yb, reduction="sum").double()
                 correct += (logits.argmax(dim=1) == yb).sum()
     finally:

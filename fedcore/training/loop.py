@@ -94,12 +94,13 @@ class Batches:
             raise ValueError("dataset is empty")
         x, y = getattr(data, "x", None), getattr(data, "y", None)
         self.stream: TorchDataset | None = None
+        self.top_label = -1  # the largest label read so far (on the host), for :meth:`check_classes`
         if not (isinstance(x, Tensor) and isinstance(y, Tensor)):
             self.stream = data  # type: ignore[assignment]
             return
         if len(x) != len(y):
             raise ValueError(f"dataset has {len(x)} inputs but {len(y)} labels")
-        y = y.long()
+        y = self._checked(x, y)
         whole = x.element_size() * x.nelement() <= _WHOLE_DATA_BYTES
         self.x = x.to(device) if whole else x
         self.y = y.to(device) if whole else y
@@ -114,12 +115,43 @@ class Batches:
         if self.stream is not None:
             chunks = [order[s : min(s + batch_size, stop)].tolist() for s in range(0, stop, batch_size)]
             for xb, yb in DataLoader(self.stream, batch_sampler=chunks):
-                yield xb.to(self.device), torch.as_tensor(yb).long().to(self.device)
+                yb = self._checked(xb, torch.as_tensor(yb))
+                yield xb.to(self.device), yb.to(self.device)
             return
         order = order.to(self.x.device)
         for start in range(0, stop, batch_size):
             idx = order[start : min(start + batch_size, stop)]
             yield self.x[idx].to(self.device), self.y[idx].to(self.device)
+
+    def _checked(self, x: Tensor, y: Tensor) -> Tensor:
+        """Inputs the model can take and labels it can score, read where they are loaded (the host, no device
+        sync): otherwise a conv fails on a dtype and cross-entropy on an index, or on CUDA with a device assert."""
+        if not isinstance(x, Tensor) or not x.is_floating_point():
+            kind = x.dtype if isinstance(x, Tensor) else type(x).__name__
+            raise ValueError(
+                f"dataset inputs are {kind}, not floating-point tensors: return images as float tensors (e.g. "
+                "torchvision's ToTensor scales uint8 to [0, 1]) or as PIL images to have fedatoms convert them"
+            )
+        if y.dtype.is_floating_point or y.dtype == torch.bool or y.dim() != 1:
+            raise ValueError(
+                f"dataset labels are {y.dtype} of shape {tuple(y.shape)}: a label is one integer class index a sample"
+            )
+        y = y.long()
+        if len(y):
+            low, high = int(y.min()), int(y.max())
+            if low < 0:
+                raise ValueError(f"dataset label {low} is negative: labels are class indices 0, 1, …")
+            self.top_label = max(self.top_label, high)
+        return y
+
+    def check_classes(self, num_classes: int) -> None:
+        """Refuse, in words, a label the model's ``num_classes`` outputs cannot score (cross-entropy would fail
+        on the index); called with the logits' width before the loss."""
+        if self.top_label >= num_classes:
+            raise ValueError(
+                f"the data has label {self.top_label} but the model has {num_classes} classes (labels 0.."
+                f"{num_classes - 1}): every device and the evaluation data need the federation's class numbering"
+            )
 
 
 def smallest_batch(model: nn.Module) -> int:
@@ -176,10 +208,11 @@ def sgd(
             optimizer.zero_grad(set_to_none=True)
             if passes is None:
                 logits = model(xb)
+                batches.check_classes(logits.shape[-1])
                 loss = F.cross_entropy(logits, yb)
                 total = loss
             else:
-                logits, loss, cut_loss = passes.losses(model, params, xb, yb)
+                logits, loss, cut_loss = passes.losses(model, params, xb, yb, batches.check_classes)
                 total = loss + cut_loss
             if penalty is not None:
                 extra = penalty()

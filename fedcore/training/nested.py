@@ -27,7 +27,7 @@ and plain FedAvg train as before, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -119,13 +119,21 @@ class NestedPasses:
         return p.detach()
 
     def losses(
-        self, model: nn.Module, params: Mapping[str, nn.Parameter], x: Tensor, y: Tensor
+        self,
+        model: nn.Module,
+        params: Mapping[str, nn.Parameter],
+        x: Tensor,
+        y: Tensor,
+        check_classes: Callable[[int], None] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The whole model's logits and loss, and the cut's loss; the cut's pass leaves the model's buffers
-        (BatchNorm's running statistics) as the whole model's pass leaves them."""
+        (BatchNorm's running statistics) as the whole model's pass leaves them. ``check_classes`` gets the
+        logits' width before the losses are taken."""
         buffers = {n: b.clone() for n, b in model.named_buffers()}
         cut_logits = torch.func.functional_call(
             model, {**{n: self._cut(n, p) for n, p in params.items()}, **buffers}, (x,)
         )
         logits = torch.func.functional_call(model, {n: self._residual(n, p) for n, p in params.items()}, (x,))
+        if check_classes is not None:
+            check_classes(logits.shape[-1])
         return logits, F.cross_entropy(logits, y), F.cross_entropy(cut_logits, y)

@@ -18,6 +18,7 @@ from sqlalchemy.engine import make_url
 
 from aggregator_service import store
 from aggregator_service.config import AggregatorSettings
+from aggregator_service.database_url import shown
 from fedatoms.cli import main
 from fedcore.layers import reconstruct_filter
 
@@ -104,6 +105,31 @@ def test_settings_from_toml_env_and_overrides(tmp_path, monkeypatch) -> None:
         AggregatorSettings(federation={"tiers": [1.0, 0.5]})
 
 
+@pytest.mark.parametrize(
+    ("env", "read"),
+    [
+        ({"TIERS": "[1.0, 0.25]"}, {"tiers": [1.0, 0.25]}),
+        ({"TIERS": "1, 0.125"}, {"tiers": [1.0, 0.125]}),
+        ({"FULL_RANK": "conv1,conv2"}, {"full_rank": ["conv1", "conv2"]}),
+        ({"INPUT_SHAPE": "[1, 8, 8]"}, {"input_shape": [1, 8, 8]}),
+        ({"NORMALIZATION": '{"mean": [0.5], "std": [0.25]}'}, {"normalization": {"mean": [0.5], "std": [0.25]}}),
+    ],
+)
+def test_list_and_table_keys_come_from_the_environment(monkeypatch, env: dict, read: dict) -> None:
+    """federation.example.toml: "Every key may also come from the environment". Lists were refused as not lists."""
+    monkeypatch.setenv("FEDATOMS_FEDERATION__FACTORIZATION", "lowrank")
+    for key, value in env.items():
+        monkeypatch.setenv(f"FEDATOMS_FEDERATION__{key}", value)
+    federation = AggregatorSettings().federation
+    assert {k: getattr(federation, k) for k in read} == read
+
+
+def test_a_table_key_that_is_not_json_is_refused_in_words(monkeypatch) -> None:
+    monkeypatch.setenv("FEDATOMS_FEDERATION__MODEL_ARGS", "{width: 2}")
+    with pytest.raises(ValueError, match=r"model_args: '\{width: 2\}' is not a JSON object"):
+        AggregatorSettings()
+
+
 def test_export_without_round_takes_the_last_closed_one_and_reads_only_the_store_keys_of_the_servers_file(
     start_service, sqlite_url, tmp_path, capsys
 ) -> None:
@@ -147,6 +173,29 @@ def test_export_and_revoke_on_a_wrong_database_say_so_in_one_line_and_create_not
     assert not (tmp_path / "no-such.db").exists() and not (tmp_path / "m.safetensors").exists()
     assert main(["aggregator", "export", "m.safetensors", "--database-url", "/tmp/fedatoms.db"]) == 2
     assert "is not a database URL" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["no-server", "no-database"])
+def test_serve_and_db_upgrade_on_a_database_they_cannot_reach_say_so_in_one_line(where, capsys) -> None:
+    """Both printed SQLAlchemy's 114-line traceback (exit 1); export already said it in one line."""
+    from support import free_port, postgres_base
+
+    if where == "no-server":  # a port nothing listens on
+        url = f"postgresql+psycopg://fedatoms:hunter2@127.0.0.1:{free_port()}/fed"
+        said = "Connection refused"
+    else:  # the tests' server, a database it does not have
+        url = (
+            make_url(postgres_base())
+            .set(password="hunter2", database="fedatoms_absent_db")
+            .render_as_string(hide_password=False)
+        )
+        said = 'database "fedatoms_absent_db" does not exist'
+    for argv in (["aggregator", "serve", "--database-url", url], ["db", "upgrade", "--database-url", url]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("fedatoms: error:")]
+        assert len(errors) == 1 and "Traceback" not in err and "hunter2" not in err, err
+        assert errors[0].startswith(f"fedatoms: error: cannot read the database {shown(url)}: ") and said in errors[0]
 
 
 @pytest.mark.parametrize(

@@ -297,3 +297,48 @@ def test_a_push_names_only_tensors_of_the_model(live) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert info.value.details().startswith("tensor 'empty.0': unknown tensor"), info.value.details()
     assert _rows(svc.url) == before
+
+
+def _long_chunk(name: str, dtype: str) -> pb.PushMessage:
+    return pb.PushMessage(
+        chunk=pb.TensorChunk(name=name, dtype=dtype, shape=[1], total_bytes=4, data=b"\0" * 4, kind=1)
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "payload", "said"),
+    [
+        ("PushUpdate", [_header(), _long_chunk("n" * 20_000, "float32")], "chunk.name is 20000 characters long"),
+        ("PushUpdate", [_header(), _long_chunk("n" * 10_000, "float32")], "chunk.name is 10000 characters long"),
+        ("PushUpdate", [_header(), _long_chunk("conv1.atoms", "f" * 20_000)], "chunk.dtype is 20000 characters long"),
+        (
+            "PushUpdate",
+            [
+                pb.PushMessage(
+                    header=pb.PushHeader(
+                        round=1, update_id="u", num_samples=1, metrics=dict.fromkeys((f"m{i}" for i in range(257)), 1.0)
+                    )
+                )
+            ],
+            "header.metrics has 257 entries; at most 256 are accepted",
+        ),
+        ("FetchModel", pb.FetchRequest(purpose=77), "purpose = 77 is not a value this server knows"),
+    ],
+    ids=["name-20k", "name-10k", "dtype-20k", "257-metrics", "purpose-77"],
+)
+def test_long_chunk_strings_many_metrics_and_unknown_purposes_are_invalid_argument(live, method, payload, said) -> None:
+    """A push's chunks are parsed in place, past the checks every other message gets: a 20,000-character name was
+    quoted whole in the refusal, whose trailer gRPC cut (RESOURCE_EXHAUSTED) and at 10,000 sometimes not; 100,000
+    metric keys were stored in the round's metrics; an unknown fetch purpose was counted as a training fetch."""
+    svc, client = live
+    before = _rows(svc.url)
+    with pytest.raises(grpc.RpcError) as info:
+        if method == "FetchModel":
+            list(svc.stub.FetchModel(payload, metadata=client.auth, timeout=60))
+        else:
+            svc.channel.stream_unary("/fedatoms.v1.Aggregator/PushUpdate")(
+                iter([m.SerializeToString() for m in payload]), metadata=client.auth, timeout=60
+            )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert said in info.value.details() and len(info.value.details()) < 300, info.value.details()[:300]
+    assert _rows(svc.url) == before

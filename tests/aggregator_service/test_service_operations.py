@@ -405,6 +405,27 @@ def test_wrong_tls_files_are_named_not_taken_for_a_port_in_use(pki: Path, tmp_pa
     assert str(named) in last, last
 
 
+def test_evaluation_data_the_model_cannot_score_stops_serve_in_one_line(tmp_path: Path) -> None:
+    """Before, the aggregator served, and every close failed twice on the labels and was abandoned."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from image_folders import write_folder
+
+    images = write_folder(tmp_path / "eval", channels=1, size=8, count=60)
+    config = tmp_path / "aggregator.toml"
+    config.write_text(
+        f'listen = "127.0.0.1:0"\ndatabase_url = "sqlite:///{tmp_path / "agg.db"}"\neval_data = "{images}"\n'
+        'enrollment_secret = "s"\n[federation]\nmodel = "digits-cnn"\nnum_classes = 5\n'
+    )
+    done = _serve(config)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [done.stderr.strip().splitlines()[-1]] and "Traceback" not in done.stderr, done.stderr
+    assert f"eval_data '{images}': the data has labels 0..9 but the model has 5 classes" in errors[0]
+    assert not (tmp_path / "agg.db").exists()  # refused before the database is created
+
+
 @pytest.mark.parametrize(
     ("lines", "said"),
     [

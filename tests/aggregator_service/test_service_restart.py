@@ -29,6 +29,7 @@ from sqlalchemy import select
 
 from aggregator_service import store
 from aggregator_service.rounds import RoundPlan
+from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,6 +195,36 @@ def test_a_finished_federation_restarted_with_more_rounds_goes_on(backend, tmp_p
             c.stub = again.stub
         assert [c.round_trip()[0] for c in clients] == [2, 2]  # round 2 trains, pushes and closes
         assert clients[0].task().WhichOneof("kind") == "done"
+    finally:
+        again.stop()
+    assert _stored_config(url)["rounds"] == 2  # the dashboard's planned rounds: it read the first start's 1
+
+
+def _stored_config(url: str) -> dict:
+    engine = store.create_engine_for(url)
+    try:
+        with engine.connect() as conn:
+            return dict(conn.execute(select(store.Federation.config)).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def test_a_federation_restarted_without_eval_data_keeps_the_normalization_it_recorded(tmp_path) -> None:
+    """eval_data is a service setting, not the method; turning it off was refused as "a different method"
+    (normalization: stored the benchmark's, configured None). The clients go on normalizing as they did."""
+    url = f"sqlite:///{tmp_path / 'agg.db'}"
+    first = start_aggregator(url, small_federation(tiers=[1.0], factorization="none"), eval_data="digits")
+    recorded = first.coordinator.shared.config.normalization
+    first.stop()
+    assert recorded is not None and _stored_config(url)["normalization"] == recorded
+    again = start_aggregator(url, small_federation(tiers=[1.0], factorization="none"), eval_data=None)
+    try:
+        assert again.coordinator.shared.config.normalization == recorded
+        reply = again.stub.Register(
+            pb.RegisterRequest(profile=pb.CapabilityProfile(num_samples=60), enrollment_secret=SECRET)
+        )
+        told = {"mean": list(reply.normalization_mean), "std": list(reply.normalization_std)}
+        assert told == recorded  # what a device is told to normalize by
     finally:
         again.stop()
 

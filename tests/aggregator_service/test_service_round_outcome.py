@@ -6,12 +6,16 @@ case ``last_closed_round`` cannot settle is a round abandoned and a later one cl
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 import grpc
 import pytest
 from grpc_helpers import register, shards, small_federation
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
+from aggregator_service import store
 from fedwire.v1 import aggregator_pb2 as pb
 
 
@@ -56,3 +60,44 @@ def test_a_round_out_of_range_is_refused_and_changes_nothing(start_service, url:
     assert "round" in (refused.value.details() or "")
     reply = svc.stub.Heartbeat(pb.HeartbeatRequest(), metadata=a.auth)
     assert reply.current_round == 0 and reply.last_closed_round == 0
+
+
+def _rounds_and_state(url: str) -> tuple[list[tuple[int, str]], str]:
+    engine = store.create_engine_for(url)
+    try:
+        with Session(engine) as s:
+            rounds = [tuple(r) for r in s.execute(select(store.Round.number, store.Round.state).order_by("number"))]
+            return rounds, s.execute(select(store.Federation.state)).scalar_one()
+    finally:
+        engine.dispose()
+
+
+def test_an_abandoned_last_round_ends_the_federation(start_service, url: str) -> None:
+    """docs/aggregator.md: after round ``rounds`` ends, closed or abandoned, every GetTask answers Done. Round 2
+    of 2 misses its quorum twice: no round 3 opens, now or after a restart; raising ``rounds`` lets it go on."""
+    fed = small_federation(factorization="none", tiers=[1.0], rounds=2)
+    svc = start_service(url, fed, quorum=1.0)
+    data = shards(2, 60)
+    a, b = register(svc.stub, 1.0, data[0]), register(svc.stub, 1.0, data[1])
+    assert a.round_trip()[0] == 1 and b.round_trip()[0] == 1  # round 1 closes
+    assert a.round_trip()[0] == 2  # b pushes nothing: round 2 cannot reach its quorum
+    deadline = svc.coordinator.shared.open.deadline
+    svc.coordinator.tick(deadline + timedelta(seconds=1))  # extended once
+    svc.coordinator.tick(deadline + timedelta(seconds=svc.settings.deadline_seconds + 2))  # abandoned
+    for c in (a, b):
+        task = c.task()
+        assert task.WhichOneof("kind") == "done", task
+        assert task.done.final_round == 1 and "after 2 rounds" in task.done.reason  # the model is round 1's
+    assert _rounds_and_state(url) == ([(1, "closed"), (2, "abandoned")], "done")
+
+    svc.stop()
+    svc = start_service(url, fed, quorum=1.0)  # the same federation, restarted
+    a.stub = b.stub = svc.stub
+    assert a.task().WhichOneof("kind") == "done" and b.task().WhichOneof("kind") == "done"
+    assert _rounds_and_state(url) == ([(1, "closed"), (2, "abandoned")], "done")
+
+    svc.stop()
+    svc = start_service(url, replace(fed, rounds=3), quorum=1.0)  # rounds raised: round 3 opens
+    a.stub = b.stub = svc.stub
+    assert a.round_trip()[0] == 3 and b.round_trip()[0] == 3
+    assert _rounds_and_state(url) == ([(1, "closed"), (2, "abandoned"), (3, "closed")], "done")

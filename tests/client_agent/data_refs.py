@@ -32,3 +32,30 @@ def load():
 
 def not_a_pair():
     return Pictures(0, 10)
+
+
+def labels_past_the_classes():
+    """Tensors of the model's shape, labels 0 … 11 for a 10-class model (a TensorDataset: no ``targets``)."""
+    x = torch.zeros(24, 1, 8, 8)
+    y = torch.arange(24) % 12
+    return torch.utils.data.TensorDataset(x, y), torch.utils.data.TensorDataset(x[:4], y[:4])
+
+
+def uint8_images():
+    """Images as uint8 tensors, as decoded, not scaled: a conv takes floating-point inputs."""
+    x = torch.zeros(24, 1, 8, 8, dtype=torch.uint8)
+    y = torch.arange(24) % 10
+    return torch.utils.data.TensorDataset(x, y), torch.utils.data.TensorDataset(x[:4], y[:4])
+
+
+class _Records(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int):
+        return {"image": torch.zeros(1, 8, 8), "label": i % 10}
+
+
+def dict_items():
+    """Items as dicts (a Hugging Face habit): the loop takes (image, label) pairs."""
+    return _Records(), _Records()

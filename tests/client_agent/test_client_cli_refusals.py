@@ -63,6 +63,7 @@ def test_a_state_dir_that_cannot_be_written_registers_nothing(aggregator, tmp_pa
         ('compute_macs = "lots"', "compute_macs"),
         ("memory_bytes = -1", "memory_bytes"),
         ("uplink_bps = nan", "uplink_bps"),
+        ("memory_bytes = 92233720368547758070", "memory_bytes = 92233720368547758070 is out of range"),
     ],
 )
 def test_a_bad_profile_value_is_one_line_and_exit_2(aggregator, tmp_path, capsys, line, field) -> None:

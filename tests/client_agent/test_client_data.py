@@ -189,3 +189,27 @@ def test_a_device_without_some_named_class_folders_is_refused(aggregator, tmp_pa
     errors = [line for line in err.splitlines() if line.startswith("fedatoms: error:")]
     assert len(errors) == 1 and "Traceback" not in err, err
     assert "2 class folders (digit-3, digit-7) but the model has 10 classes" in errors[0]
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ("data_refs:labels_past_the_classes", "the data has labels 0..11 but the model has 10 classes"),
+        ("data_refs:uint8_images", "the training inputs are torch.uint8 tensors"),
+        ("data_refs:dict_items", "dataset items are dict, not (image, label) pairs"),
+    ],
+    ids=["labels", "uint8", "dicts"],
+)
+def test_data_the_model_cannot_take_is_refused_in_one_line(
+    aggregator, tmp_path: Path, capsys, monkeypatch, data: str, needle: str
+) -> None:
+    """Checked once the model is known, before any training: each failed in the first step with a traceback."""
+    monkeypatch.syspath_prepend(str(HERE))
+    argv = ["client", "run", "--server", aggregator.target, "--enrollment-secret", SECRET]
+    argv += ["--data", data, "--state-dir", str(tmp_path / "state")]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("fedatoms: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert needle in errors[0]

@@ -144,3 +144,77 @@ def test_a_folder_without_images_is_refused(tmp_path: Path) -> None:
         open_data(str(tmp_path))
     with pytest.raises(DataSourceError, match="no class subfolders"):
         open_data(str(tmp_path / "cats"))
+
+
+def test_a_numbered_class_only_in_the_test_folder_keeps_its_number(tmp_path: Path) -> None:
+    """Numbered folders are their labels: a test split holding a class training lacks agrees with every device."""
+    write_folder(tmp_path / "d" / "train", channels=1, size=8, count=120)
+    write_folder(tmp_path / "d" / "test", channels=1, size=8, count=60, start=120)
+    for png in (tmp_path / "d" / "train" / "7").iterdir():
+        png.unlink()
+    (tmp_path / "d" / "train" / "7").rmdir()
+    train, test = open_data(str(tmp_path / "d"))
+    _, labels = digits_images(1, 8)
+    assert 7 not in labels_of(train).tolist()
+    assert sorted(labels_of(test).tolist()) == sorted(labels[120:180].tolist())  # 7 among them, as 7
+    (tmp_path / "d" / "test" / "cats").mkdir()  # a named class the training folder lacks: no number to go by
+    Image.new("L", (8, 8)).save(tmp_path / "d" / "test" / "cats" / "x.png")
+    with pytest.raises(DataSourceError, match=r"classes \['7', 'cats'\] are not in the training folder"):
+        open_data(str(tmp_path / "d"))
+
+
+def test_evaluation_data_the_model_cannot_score_is_refused_before_any_round(tmp_path: Path) -> None:
+    """The server's ``eval_data``, checked as a device's data is: a label past the model's classes failed every
+    close (IndexError in cross-entropy); named folders lacking a class were numbered differently, and the
+    server's accuracy was wrong, silently."""
+    from fedcore.datasource import evaluation_set
+
+    numbered = write_folder(tmp_path / "numbered", channels=1, size=8, count=100)
+    assert len(evaluation_set(str(numbered), (1, 8, 8), 10)) == 20  # the holdout of every class
+    with pytest.raises(DataSourceError, match=r"eval_data '.*numbered': the data has labels 0..9 but the model has 5"):
+        evaluation_set(str(numbered), (1, 8, 8), 5)
+    named = write_folder(tmp_path / "named", channels=1, size=8, count=100, classes="named")
+    for png in (named / "digit-4").iterdir():
+        png.unlink()
+    (named / "digit-4").rmdir()
+    with pytest.raises(DataSourceError, match=r"the data has 9 class folders \(digit-0, .*\) but the model has 10"):
+        evaluation_set(str(named), (1, 8, 8), 10)
+
+
+class _Items(torch.utils.data.Dataset):
+    def __init__(self, make) -> None:
+        self.make = make
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        return self.make(i)
+
+
+@pytest.mark.parametrize(
+    ("item", "said"),
+    [
+        (lambda i: {"image": torch.zeros(1, 8, 8), "label": 0}, r"dataset items are dict, not \(image, label\) pairs"),
+        (lambda i: (torch.zeros(1, 8, 8, dtype=torch.uint8), 0), "the training inputs are torch.uint8 tensors"),
+        (lambda i: (torch.zeros(3, 8, 8), 0), r"inputs have shape \(3, 8, 8\) but the model takes \(1, 8, 8\)"),
+    ],
+    ids=["dicts", "uint8", "shape"],
+)
+def test_items_the_model_cannot_take_are_refused_in_one_line(item, said: str) -> None:
+    with pytest.raises(ValueError, match=said) as refused:
+        fit_to_model(_Items(item), None, (1, 8, 8), Normalization((0.0,), (1.0,)))
+    assert "\n" not in str(refused.value)
+
+
+def test_a_benchmark_dataset_of_another_shape_is_named(tmp_path: Path) -> None:
+    train, _ = open_data("digits")
+    with pytest.raises(ValueError, match=r"the digits dataset's images do not fit this federation's model"):
+        fit_to_model(train, None, (3, 32, 32), None)
+
+
+def test_evaluation_data_of_another_shape_is_named_as_such(tmp_path: Path) -> None:
+    from fedcore.datasource import evaluation_set
+
+    with pytest.raises(DataSourceError, match=r"eval_data 'digits': the evaluation inputs have shape \(1, 8, 8\)"):
+        evaluation_set("digits", (3, 32, 32), 10)

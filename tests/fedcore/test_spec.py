@@ -638,3 +638,34 @@ def test_a_process_that_reads_only_a_specs_tensors_runs_no_forward_pass():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["False", "True"], out.stdout + out.stderr
+
+
+def test_a_model_with_other_outputs_while_training_is_refused_where_the_federation_takes_it():
+    """torchvision's GoogLeNet returns its auxiliary logits as well in training mode, a tensor in eval mode:
+    checked in eval mode alone it passed, and every client's first step failed in cross-entropy."""
+    from aggregator_service.config import FederationConfig
+
+    net = dict(model="torchvision.models:googlenet", input_shape=[3, 32, 32], num_classes=10)
+    args = {"num_classes": 10, "init_weights": False}
+    with pytest.raises(ValueError, match=r"returns GoogLeNetOutputs in train mode, not a tensor .*aux_logits=False"):
+        FederationConfig(**net, model_args=args)
+    assert FederationConfig(**net, model_args={**args, "aux_logits": False}).spec.macs > 0
+
+
+def test_a_builder_that_fails_or_builds_lazy_modules_is_refused_in_one_line(tmp_path, monkeypatch):
+    from fedcore.reference import build_reference
+
+    (tmp_path / "failing_nets.py").write_text(
+        "def no_weights(path='absent.pt'):\n    raise RuntimeError(f'cannot open {path}')\n"
+        "def wrong_key(config=None):\n    return {}['depth']\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for ref, said in [
+        ("failing_nets:no_weights", "RuntimeError: cannot open absent.pt"),
+        ("failing_nets:wrong_key", "KeyError: 'depth'"),
+    ]:
+        with pytest.raises(ValueError) as refused:
+            build_reference(ref, {})
+        assert str(refused.value) == f"model {ref!r} cannot be built with arguments {{}}: {said}"
+    with pytest.raises(ValueError, match=r"has lazy modules \(LazyLinear\): .*give their input sizes"):
+        build_reference("torch.nn:LazyLinear", {"out_features": 10})

@@ -529,3 +529,51 @@ def test_scale_move_scales_only_the_steps_that_follow_the_move() -> None:
     assert torch.equal(out["drift"]["w"], torch.tensor([2.0, 4.0]))
     assert torch.equal(out["control"]["w"], torch.tensor([9.0]))
     assert torch.equal(after["gradient"]["w"], torch.tensor([3.0, -6.0]))  # the input is left as it was
+
+
+class _Streamed(torch.utils.data.Dataset):
+    """A user's Dataset: items read one at a time, no ``x``/``y``/``targets`` to check ahead."""
+
+    def __init__(self, data: Toy) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int):
+        return self.data.x[i], self.data.y[i]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["in-memory", "streamed"])
+@pytest.mark.parametrize("factorization", ["none", "atoms-lowrank"])
+def test_labels_the_model_cannot_score_are_refused_in_words(streamed: bool, factorization: str) -> None:
+    """Cross-entropy failed on the index (IndexError; on CUDA a device-side assert that ends the process)."""
+    rank = 0.5 if factorization == "atoms-lowrank" else 1.0
+    data = blobs(32, classes=4)
+    past = Toy(data.x, torch.where(torch.arange(32) == 17, 6, data.y))
+    wrap = _Streamed if streamed else (lambda d: d)
+    with pytest.raises(ValueError, match=r"the data has label 6 but the model has 4 classes \(labels 0..3\)"):
+        local_update(digits(factorization, rank), wrap(past), cfg(), seed=0)
+    with pytest.raises(ValueError, match=r"the data has label 6 but the model has 4 classes"):
+        evaluate(digits(factorization, rank), wrap(past), device=CPU)
+    negative = Toy(data.x, torch.where(torch.arange(32) == 3, -1, data.y))
+    with pytest.raises(ValueError, match=r"dataset label -1 is negative"):
+        local_update(digits(factorization, rank), wrap(negative), cfg(), seed=0)
+    fractional = Toy(data.x, data.y.float())
+    with pytest.raises(ValueError, match=r"dataset labels are torch.float32 .*one integer class index"):
+        local_update(digits(factorization, rank), wrap(fractional), cfg(), seed=0)
+    assert local_update(digits(factorization, rank), wrap(data), cfg(), seed=0).num_samples == 32  # the same, fine
+
+
+@pytest.mark.parametrize("factorization", ["none", "atoms", "atoms-lowrank", "lowrank"])
+@pytest.mark.parametrize("atom_lr", ["preconditioned", "scaled"])
+def test_a_nan_in_the_inputs_gives_a_non_finite_update_whatever_the_factorization(
+    factorization: str, atom_lr: str
+) -> None:
+    """The agent reports a non-finite update as diverged training (exit 5); with atoms the per-step rates once
+    failed first, in ``eigvalsh`` on the non-finite coefficients (LinAlgError, a traceback)."""
+    data = blobs(32, classes=4)
+    data.x[:, 0, 2, 2] = float("nan")  # a dead pixel in every image: the first step's factors are NaN
+    rank = 0.5 if "lowrank" in factorization else 1.0
+    result = local_update(digits(factorization, rank), data, cfg(atom_lr=atom_lr), seed=0)
+    assert not all(bool(torch.isfinite(t).all()) for t in result.tensors.values())
