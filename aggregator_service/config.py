@@ -7,6 +7,7 @@ so a setting tried in simulation means the same thing in production.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -537,6 +538,7 @@ class AggregatorSettings(TomlSettings):
     @model_validator(mode="after")
     def _record_eval_normalization(self) -> AggregatorSettings:
         if self.eval_data is not None and describe(self.eval_data, "eval_data") == "bundled":
+            self.federation = copy.copy(self.federation)  # the caller's configuration stays as the caller made it
             self.federation.record_benchmark_normalization(self.eval_data)  # the server evaluates what clients see
         return self
 

@@ -60,24 +60,36 @@ def measured_profile(
     memory_fraction: float = 0.5,
     device_name: str | None = None,
     repeats: int = 3,
+    device: str = "cpu",
 ) -> CapabilityProfile:
-    """Time a reference conv's training step and size the compute budget to ``budget_ms`` per sample."""
+    """Time a reference conv's training step on the ``device`` the agent trains on (``auto`` as training
+    resolves it) and size the compute budget to ``budget_ms`` per sample; the memory is that device's."""
     import torch
     from torch import nn
 
-    conv = nn.Conv2d(32, 32, 3, padding=1)
-    x = torch.randn(8, 32, 32, 32)
+    from fedcore.training import resolve_device
+
+    dev = resolve_device(device)
+
+    def settle() -> None:  # a GPU runs asynchronously: time the work, not its launch
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    conv = nn.Conv2d(32, 32, 3, padding=1).to(dev)
+    x = torch.randn(8, 32, 32, 32, device=dev)
     macs = 8 * 32 * 32 * 32 * 32 * 9  # batch × H × W × out × in × k²
     conv(x).sum().backward()  # warm-up
+    settle()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         conv(x).sum().backward()
+        settle()
         best = min(best, time.perf_counter() - t0)
     # `best` trained `macs` forward MACs (forward + backward): a model of M MACs per sample trains one
     # sample in M · best / macs seconds, so it fits the budget when M ≤ macs / best · budget
     compute = macs / best * budget_ms / 1000.0
-    memory = available_memory_bytes()
+    memory = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else available_memory_bytes()
     return CapabilityProfile(
         device_name=device_name or os.uname().nodename,
         compute_macs=compute,

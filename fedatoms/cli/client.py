@@ -38,7 +38,7 @@ def cmd_client_run(args: argparse.Namespace) -> int:
     if args.profile is not None:
         profile = declared_profile(args.profile, len(train))
     elif args.measure:
-        profile = measured_profile(len(train), budget_ms=args.budget_ms)
+        profile = measured_profile(len(train), budget_ms=args.budget_ms, device=args.device or "auto")
     else:
         from fedcore.tiers import CapabilityProfile
 

@@ -124,6 +124,17 @@ def test_list_and_table_keys_come_from_the_environment(monkeypatch, env: dict, r
     assert {k: getattr(federation, k) for k in read} == read
 
 
+def test_settings_record_a_benchmarks_normalization_on_their_own_copy_of_the_federation() -> None:
+    """The federation a caller passes stays as made: a second aggregator given it without eval_data was told
+    the first one's recorded normalization."""
+    from aggregator_service.config import FederationConfig
+
+    mine = FederationConfig()
+    settings = AggregatorSettings(federation=mine, eval_data="digits")
+    assert settings.federation.normalization is not None and mine.normalization is None
+    assert AggregatorSettings(federation=mine).federation.normalization is None
+
+
 def test_a_table_key_that_is_not_json_is_refused_in_words(monkeypatch) -> None:
     monkeypatch.setenv("FEDATOMS_FEDERATION__MODEL_ARGS", "{width: 2}")
     with pytest.raises(ValueError, match=r"model_args: '\{width: 2\}' is not a JSON object"):

@@ -106,3 +106,17 @@ def test_client_run_with_device_cpu_trains_and_evaluates_on_it(tmp_path: Path, m
     state = ClientState.load(tmp_path / "state")
     assert state is not None and state.rounds_joined == 1 and state.last_config["device"] == "cpu"
     assert _evaluated(url, 1) == [state.client_id]
+
+
+def test_a_measured_profile_times_the_device_the_agent_trains_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``client run --measure`` timed the CPU whatever ``--device`` said: a GPU device declared the CPU's compute."""
+    from pretend_cuda import NO_CUDA_ERRORS
+
+    from client_agent.profile import measured_profile
+
+    on_cpu = measured_profile(100, device="cpu", repeats=1)
+    assert on_cpu.compute_macs is not None and on_cpu.compute_macs > 0 and on_cpu.num_samples == 100
+    pretend_cuda(monkeypatch)
+    with pytest.raises(NO_CUDA_ERRORS):  # auto is CUDA here: the measurement runs there (and fails, no driver)
+        measured_profile(100, device="auto", repeats=1)
+    assert measured_profile(100, device="cpu", repeats=1).compute_macs > 0  # told the CPU, it times the CPU
