@@ -361,11 +361,12 @@ def main(argv: list[str] | None = None) -> int:
         name: (per_seed[0][0], [statistics.fmean(acc[i] for _, acc in per_seed) for i in range(args.rounds)])
         for name, per_seed in cuts
     }
+    over = f"mean of {args.seeds} seeds" if args.seeds > 1 else f"seed {args.first_seed}"
     out = plot_accuracy_vs_bytes(
         curves,
         statistics.fmean(targets.values()),
         Path(args.plot),
-        title=f"{Path(source).name or source}, {_split(args)}, mean of {args.seeds} seeds",
+        title=f"{Path(source).name or source}, {_split(args)}, {over}",
         cuts=cut_curves,
     )
     print(f"plot: {out}")

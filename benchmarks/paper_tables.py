@@ -86,18 +86,21 @@ def _config(args: argparse.Namespace, seed: int, **switches: Any) -> SimulationC
 
 
 def _measure(args: argparse.Namespace, key: str, **switches: Any) -> tuple[list[float], str | None]:
-    """``key`` of the summary over the seeds, or why there is none (refused at start, or diverged)."""
-    values = []
+    """``key`` of the summary over the seeds, and a note: why there is none (refused at start, or diverged), or
+    a setting the row needed beyond its switches."""
+    values, note = [], None
     for seed in range(args.seeds):
         try:
             config = _config(args, seed, **switches)
         except ValueError as exc:
             return [], f"refused: {exc}"
+        if config.atom_lr == "shared" and "atom_lr" not in switches:
+            note = "atom_lr = shared: its strategy takes one learning rate for every tensor (docs/strategies.md)"
         try:
             values.append(run_simulation(config)["summary"][key])
         except CodecError as exc:  # a push of NaN/Inf: the method diverged on this seed
             return [], f"diverged on seed {seed}: {exc}"
-    return values, None
+    return values, note
 
 
 def _table(title: str, column: str, rows: list[tuple[str, Callable[[], tuple[list[float], str | None]]]]) -> None:
@@ -105,16 +108,20 @@ def _table(title: str, column: str, rows: list[tuple[str, Callable[[], tuple[lis
     print(f"| Method | {column} |")
     print("|---|---|")
     notes = []
+    method = ""  # the method a "+ Decomposition" row adds to
     for label, measure in rows:
+        method = f"{method} {label}" if label.startswith("+") else label
         t0 = time.perf_counter()
-        values, refused = measure()
-        cell = _cell(values) if refused is None else refused.split(":")[0]
+        values, note = measure()
+        cell = _cell(values) if values else (note or "no value").split(":")[0]
         print(f"| {label} | {cell} |", flush=True)
-        if refused is not None:
-            notes.append(f"{label}: {refused}")
+        if note is not None:
+            notes.append(f"{method}: {note}")
         print(f"<!-- {label}: {time.perf_counter() - t0:.0f} s -->", file=sys.stderr)
+    if notes:
+        print()
     for note in notes:
-        print(f"\n- {note}")
+        print(f"- {note}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fraction", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--local-epochs", type=int, default=1)
-    parser.add_argument("--personal-epochs", type=int, default=10, help="FT's and Ditto's epochs (the paper: 10 FT)")
+    parser.add_argument(
+        "--personal-epochs",
+        type=int,
+        default=10,
+        help="personal atoms', FT's and Ditto's epochs (the paper: 10 FT)",
+    )
     parser.add_argument("--head-epochs", type=int, default=10, help="FedRep's head epochs (the paper: 10)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--device", default="auto")
@@ -137,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.dataset}, {args.clients} clients × {args.classes_per_client} classes, {args.fraction:g} per round, "
         f"{args.rounds} rounds, E = {args.local_epochs}, seeds 0..{args.seeds - 1}; accuracy (%) mean ± std over "
-        "seeds of the mean of the last 5 rounds"
+        f"seeds of the mean of the last {min(5, args.rounds)} rounds"
     )
     if args.table in ("global", "both"):
         present = [s for s in PAPER_STRATEGIES if s in STRATEGIES]

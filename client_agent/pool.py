@@ -250,17 +250,24 @@ def register_all(
     tls_ca: str | None = None,
     keep_state: bool = True,
     allowed_models: Sequence[str] = DEFAULT_ALLOWED_MODELS,
+    give_up_after: float | None = None,
 ) -> list[str]:
     """Register the virtual clients one by one, in index order, so their registration order is their index.
 
     Each declares its shard size and its tier as ``preferred_tier``; credentials land in its state dir.
-    Clients that registered in an earlier run (credentials on disk) keep their identity.
+    Clients that registered in an earlier run (credentials on disk) keep their identity. An aggregator
+    unreachable for ``give_up_after`` seconds (``None``: retried for ever) is a ``ValueError`` naming it.
     """
+    import grpc
+
     from client_agent.agent import CREDENTIALS_FILE, Agent
-    from client_agent.transport import AggregatorClient, Unauthenticated
+    from client_agent.transport import AggregatorClient, Backoff, Unauthenticated
 
     ids = []
-    with AggregatorClient(target, tls_ca=Path(tls_ca) if tls_ca else None) as client:
+    client = AggregatorClient(
+        target, tls_ca=Path(tls_ca) if tls_ca else None, backoff=Backoff(max_elapsed=give_up_after)
+    )
+    try:
         for i, vc in enumerate(clients):
             resumed = (state_dir(state_root, i) / CREDENTIALS_FILE).exists()
             profile = CapabilityProfile(
@@ -286,6 +293,13 @@ def register_all(
                         "state is from another federation or database): give a new --state-dir, or the "
                         "--database-url it was made with"
                     ) from None
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]  # a call's error has a code
+            raise
+        waited = "" if give_up_after is None else f" for {give_up_after:g} s"
+        raise ValueError(f"cannot reach the aggregator at {target}{waited}: {exc.details()}") from None  # type: ignore[attr-defined]  # as above
+    finally:
+        client.close()
     return ids
 
 

@@ -1,7 +1,8 @@
 """`fedatoms plot`: one figure comparing simulation runs, because curves read better than tables.
 
 Panels: global (personalized, and cut to each tier below 1) test accuracy per round, cumulative bytes against the
-FedAvg-equivalent, the clients' spread within each round, and the per-tensor aggregation intervals of the first run.
+FedAvg-equivalent, the clients' spread within each round, and the per-tensor aggregation intervals of the first run
+whose intervals change. Runs a short label would name alike are told apart by the config keys where they differ.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_accuracy_vs_bytes", "plot_runs", "run_label"]
+__all__ = ["plot_accuracy_vs_bytes", "plot_runs", "run_label", "run_labels"]
 
 #: line styles of the cuts to each tier below 1, in the run's colour (dashed is the personalized line)
 CUT_STYLES = ("-.", (0, (3, 1, 1, 1, 1, 1)), (0, (1, 1)))
+
+
+#: config keys that say where or how a run was executed, not what it computed: never what tells runs apart
+_EXECUTION_KEYS = frozenset({"output", "threads", "engine", "transport", "ray_address", "ray_num_cpus", "device"})
 
 
 def run_label(results: dict[str, Any], fallback: str) -> str:
@@ -23,9 +28,32 @@ def run_label(results: dict[str, Any], fallback: str) -> str:
     parts = [c.get("factorization", "?"), c.get("interval_policy", "?")]
     if c.get("strategy", "fedavg") != "fedavg":
         parts.insert(0, c["strategy"])
+    if c.get("personalization", "none") != "none":
+        parts.append(c["personalization"])
     if len(c.get("tiers", [1.0])) > 1:
         parts.append("tiers " + ",".join(f"{t:g}" for t in c["tiers"]))
     return " / ".join(parts) if c else fallback
+
+
+def run_labels(runs: Sequence[tuple[Path, dict[str, Any]]]) -> list[str]:
+    """One label per run, distinct where the runs are: runs that :func:`run_label` names alike get the config
+    keys whose values tell them apart (``fp16=True``, ``seed=1``, ``strategy_args={…}``), else their file names."""
+    labels = [run_label(res, path.stem) for path, res in runs]
+    for label in set(labels):
+        group = [i for i, other in enumerate(labels) if other == label]
+        if len(group) < 2:
+            continue
+        configs = [runs[i][1].get("config", {}) for i in group]
+        keys = sorted(
+            k
+            for k in set().union(*configs)
+            if k not in _EXECUTION_KEYS and len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1
+        )
+        said = [", ".join(f"{k}={json.dumps(c.get(k), sort_keys=True)}" for k in keys) for c in configs]
+        for i, words in zip(group, said, strict=True):
+            alike = said.count(words) > 1  # the same computation twice: the files tell them apart
+            labels[i] = f"{label} ({', '.join(w for w in (words, runs[i][0].stem if alike else '') if w)})"
+    return labels
 
 
 def plot_runs(paths: Sequence[str | Path], output: str | Path) -> Path:
@@ -39,8 +67,7 @@ def plot_runs(paths: Sequence[str | Path], output: str | Path) -> Path:
         raise ValueError("give at least one results JSON")
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), constrained_layout=True)
     ax_acc, ax_bytes, ax_disp, ax_int = axes.flat
-    for path, res in runs:
-        label = run_label(res, path.stem)
+    for (_path, res), label in zip(runs, run_labels(runs), strict=True):
         rounds = [r["round"] for r in res["rounds"]]
         (line,) = ax_acc.plot(rounds, [r["test_accuracy"] for r in res["rounds"]], label=f"{label}: global")
         tiers = res["rounds"][-1].get("tier_accuracy", {})  # the global model cut to each tier below 1
@@ -70,21 +97,29 @@ def plot_runs(paths: Sequence[str | Path], output: str | Path) -> Path:
         ax.legend(fontsize=7)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
 
-    first_path, first = runs[0]
+    # the first run whose intervals change (a FedLAMA or fixed schedule), else the first
+    shown = next((i for i, (_p, r) in enumerate(runs) if _intervals_vary(r)), 0)
+    first = runs[shown][1]
     names = list(first["rounds"][0]["tensors"])
     grid = [[first["rounds"][i]["tensors"][n]["interval"] for i in range(len(first["rounds"]))] for n in names]
     image = ax_int.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
     ax_int.set(
-        title=f"aggregation interval per tensor, set at each round's close ({run_label(first, first_path.stem)})",
+        title=f"aggregation interval per tensor, set at each round's close ({run_labels(runs)[shown]})",
         xlabel="round (the interval shown is in force from the next round)",
     )
     ax_int.set_yticks(range(len(names)), names, fontsize=6)
     ax_int.set_xticks(range(len(first["rounds"])), [str(r["round"]) for r in first["rounds"]], fontsize=6)
-    fig.colorbar(image, ax=ax_int, label="interval (rounds)")
+    bar = fig.colorbar(image, ax=ax_int, label="interval (rounds)")
+    bar.locator = MaxNLocator(integer=True)  # intervals are whole rounds
+    bar.update_ticks()
     output = Path(output)
     fig.savefig(output, dpi=110)
     plt.close(fig)
     return output
+
+
+def _intervals_vary(results: dict[str, Any]) -> bool:
+    return len({t["interval"] for r in results["rounds"] for t in r["tensors"].values()}) > 1
 
 
 def plot_accuracy_vs_bytes(

@@ -219,7 +219,8 @@ def _run(
     if config.transport != "inprocess":
         raise ValueError(f"unknown transport {config.transport!r}; choose one of {', '.join(TRANSPORTS)}")
     if grpc_options:
-        raise ValueError(f"{', '.join(sorted(grpc_options))} only apply to --transport grpc")
+        flags = sorted("--" + k.replace("_", "-") for k in grpc_options)
+        raise ValueError(f"{', '.join(flags)} {'applies' if len(flags) == 1 else 'apply'} only to --transport grpc")
     if config.engine == "local":  # Ray's actors resolve it where they run
         resolve_device(config.device)
     started = time.perf_counter()

@@ -40,6 +40,10 @@ def federation_config(config: Any) -> FederationConfig:
     return FederationConfig(**{f.name: getattr(config, f.name) for f in fields(FederationConfig)})
 
 
+#: How long a simulation's registration retries an aggregator it cannot reach before it ends in one line.
+REACH_SECONDS = 60.0
+
+
 def run_grpc_simulation(
     config: Any,
     progress: Callable[[dict[str, Any]], None] | None = None,
@@ -51,16 +55,27 @@ def run_grpc_simulation(
     workers: int | None = None,
     state_dir: str | None = None,
     tls_ca: str | None = None,
+    give_up_after: float | None = None,
     announce: Callable[[str], None] | None = None,
     model_out: str | Path | None = None,
     on_start: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run the federation through gRPC; returns ``{"config", "rounds", "summary"}`` like the in-process run.
 
-    ``on_start``: called once the aggregator serves and every client registered, as the agents start."""
+    ``on_start``: called once the aggregator serves and every client registered, as the agents start.
+    ``give_up_after``: how long registering retries an aggregator it cannot reach (``--server``) before the run
+    ends in one line (:data:`REACH_SECONDS` unset)."""
     say = announce or (lambda text: print(text, file=sys.stderr))
     if workers is not None and config.engine == "ray":
         raise ValueError("--workers is the local engine's; with --engine ray, [simulation.resources] places clients")
+    if workers is not None and workers < 1:
+        raise ValueError(f"--workers must be ≥ 1, got {workers}")
+    if server is None and (enrollment_secret is not None or tls_ca is not None):
+        given = " and ".join(f for f, v in (("--enrollment-secret", enrollment_secret), ("--tls-ca", tls_ca)) if v)
+        verb = "apply" if " and " in given else "applies"
+        raise ValueError(f"{given} {verb} only with --server: the aggregator started here makes its own")
+    if give_up_after is not None and not give_up_after > 0:
+        raise ValueError(f"--give-up-after must be > 0, got {give_up_after}")
     if config.engine == "local":  # as in process, before anything starts (Ray's actors resolve it where they run)
         resolve_device(config.device)
     if tls_ca is not None and not Path(tls_ca).is_file():  # before an aggregator starts, not at the first connection
@@ -128,7 +143,15 @@ def run_grpc_simulation(
             # the agents import the model this command names: its user chose that code
             allowed = DEFAULT_ALLOWED_MODELS if is_zoo(config.model) else (*DEFAULT_ALLOWED_MODELS, config.model)
             ids = register_all(
-                target, pop, pop.build(fit=()), enrollment_secret, root, tls_ca, keep_state, allowed_models=allowed
+                target,
+                pop,
+                pop.build(fit=()),
+                enrollment_secret,
+                root,
+                tls_ca,
+                keep_state,
+                allowed_models=allowed,
+                give_up_after=REACH_SECONDS if give_up_after is None else give_up_after,
             )
             # how every pool runs the agents
             agents: dict[str, Any] = dict(
@@ -153,7 +176,7 @@ def run_grpc_simulation(
 
                 run_ray_grpc_pool(target, pop, root, resources=config.resources, on_replaced=replaced, **agents)
             else:
-                run_grpc_pool(target, pop, root, workers=workers or 2, **agents)
+                run_grpc_pool(target, pop, root, workers=2 if workers is None else workers, **agents)
         finally:
             reader.dispose()
             if owned is not None:

@@ -398,3 +398,32 @@ def test_a_client_that_has_not_trained_evaluates_on_the_given_device(engine: str
         members = [(client_key(i), versions) for i in range(config.clients)]
         evaluations = [e for _, e in host.evaluate(federation.tier_spec(1.0), tensors, members, False, config.device)]
     assert len(evaluations) == 2 and all(e.num_samples > 0 for e in evaluations)
+
+
+def test_plot_labels_tell_apart_runs_a_short_label_names_alike() -> None:
+    """Two FedAdam runs (default η and η = 0.01), FedAvg with and without fp16, FedRep and FedAvg: the legend read
+    the same for each pair."""
+    from fedatoms.plots import run_labels
+
+    base = {"factorization": "none", "interval_policy": "every_round", "strategy": "fedavg", "tiers": [1.0]}
+
+    def run(name: str, **config: object) -> tuple[Path, dict]:
+        return Path(f"{name}.json"), {"config": {**base, "output": f"{name}.json", **config}}
+
+    runs = [
+        run("a", fp16=False),
+        run("b", fp16=True),
+        run("c", strategy="fedadam", strategy_args={}),
+        run("d", strategy="fedadam", strategy_args={"eta": 0.01}),
+        run("e", personalization="fedrep"),
+        run("f", fp16=False),
+    ]
+    assert run_labels(runs) == [
+        "none / every_round (fp16=false, a)",
+        "none / every_round (fp16=true)",
+        "fedadam / none / every_round (strategy_args={})",
+        'fedadam / none / every_round (strategy_args={"eta": 0.01})',
+        "none / every_round / fedrep",
+        "none / every_round (fp16=false, f)",
+    ]
+    assert run_labels([runs[0], run("g", fp16=False)]) == ["none / every_round (a)", "none / every_round (g)"]

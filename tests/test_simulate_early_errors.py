@@ -9,6 +9,7 @@ mistake draws the bar, so its absence means something.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +54,12 @@ def test_a_run_without_a_mistake_draws_the_bar() -> None:
             "device 'cuda' requested but CUDA is not available on this machine",
             marks=NEEDS_NO_CUDA,
         ),
-        (("--clients", "4", "--server", "127.0.0.1:1"), "server only apply to --transport grpc"),
+        (("--clients", "4", "--server", "127.0.0.1:1"), "--server applies only to --transport grpc"),
+        (("--clients", "4", "--transport", "grpc", "--workers", "0"), "--workers must be ≥ 1, got 0"),
+        (
+            ("--clients", "4", "--transport", "grpc", "--enrollment-secret", "s"),
+            "--enrollment-secret applies only with",
+        ),
         # written after the last round: refused before the first
         (("--clients", "4", "--save-model", "{tmp}"), "is a directory: give the model file's path"),
         (("--clients", "4", "--output", "{tmp}/missing/results.json"), "there is no directory"),
@@ -84,3 +90,21 @@ def test_an_error_after_the_aggregator_started_comes_before_the_bar() -> None:
         "fedatoms: error: shards need num_clients × classes_per_client ≥ number of classes so every class is used: "
         "2 × 2 < 10"
     ]
+
+
+def test_an_aggregator_that_cannot_be_reached_ends_the_run_in_one_line(tmp_path: Path) -> None:
+    """``--server`` naming a port nothing listens on: registration retried for ever (killed after 120 s)."""
+    import time
+
+    from support import free_port
+
+    started = time.monotonic()
+    done = simulate(
+        *("--clients", "4", "--partition", "iid", "--transport", "grpc", "--server", f"127.0.0.1:{free_port()}"),
+        *("--database-url", f"sqlite:///{tmp_path / 'x.db'}", "--enrollment-secret", "s", "--give-up-after", "2"),
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("fedatoms: error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert re.fullmatch(r"fedatoms: error: cannot reach the aggregator at 127\.0\.0\.1:\d+ for 2 s: .*", errors[0])
+    assert time.monotonic() - started < 60

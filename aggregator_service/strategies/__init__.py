@@ -97,6 +97,14 @@ def accepts(cls: type[Strategy]) -> frozenset[str]:
 def build_strategy(name: str, **params: Any) -> Strategy:
     """Instantiate a strategy by name or reference, e.g. ``build_strategy("fedprox", mu=0.01)``."""
     cls = strategy_class(name)
+    defaults = {p.name: p.default for p in inspect.signature(cls).parameters.values()}
+    for key, value in params.items():  # a value of another kind than the default's, named before the class sees it
+        default = defaults.get(key, inspect.Parameter.empty)
+        numeric = isinstance(default, int | float) and not isinstance(default, bool)
+        if numeric and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(f"strategy {name!r}: {key} = {value!r} is not a number (its default is {default!r})")
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ValueError(f"strategy {name!r}: {key} = {value!r} is not true or false (its default is {default!r})")
     try:
         return cls(**params)
     except TypeError as exc:

@@ -258,7 +258,9 @@ def print_summary(results: dict[str, Any]) -> None:
     s = results["summary"]
     c = results["config"]
     data = c.get("data") or c["dataset"]
-    print(f"\n{c['model']} / {c['factorization']} / {c['interval_policy']} on {data}: {s['rounds']} rounds")
+    from fedatoms.plots import run_label
+
+    print(f"\n{c['model']} / {run_label(results, '')} on {data}: {s['rounds']} rounds")
     if s["mean_test_accuracy_last5"] is None:
         print("  global test accuracy   none: the aggregator evaluates nothing (set its eval_data)")
     else:
@@ -311,6 +313,7 @@ def _grpc_options(args: argparse.Namespace) -> dict[str, Any]:
         "workers": args.workers,
         "state_dir": args.state_dir,
         "tls_ca": args.tls_ca,
+        "give_up_after": args.give_up_after,
     }
     return {k: v for k, v in given.items() if v is not None}
 
@@ -372,6 +375,12 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--workers", type=int, help="worker processes running the virtual clients [2]")
     g.add_argument("--state-dir", help="where each virtual client keeps its state [a new temporary directory]")
     g.add_argument("--tls-ca", help="with --server: CA bundle to verify the aggregator's certificate")
+    g.add_argument(
+        "--give-up-after",
+        type=float,
+        help="with --server: end the run (exit 2) when the aggregator cannot be reached for this many seconds "
+        "while the clients register [60]",
+    )
     sim.set_defaults(func=cmd_simulate)
 
     plot = sub.add_parser("plot", help="plot accuracy, bytes, dispersion and intervals of simulation results")

@@ -25,3 +25,12 @@ def test_registry() -> None:
     assert FedAvg().state_dict() == {}
     with pytest.raises(ValueError, match="no state"):
         FedAvg().load_state_dict({"x": 1})
+
+
+def test_a_parameter_of_the_wrong_kind_is_named() -> None:
+    """``--strategy-arg eta=abc`` read: "'>' not supported between instances of 'str' and 'int'"."""
+    with pytest.raises(ValueError, match=r"^strategy 'fedadam': eta = 'abc' is not a number \(its default is 0\.1\)$"):
+        build_strategy("fedadam", eta="abc")
+    with pytest.raises(ValueError, match=r"strategy 'fedprox': mu = True is not a number"):
+        build_strategy("fedprox", mu=True)
+    assert build_strategy("fedadam", eta=1).eta == 1  # an int where the default is a float is a number
