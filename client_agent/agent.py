@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -93,7 +94,13 @@ class Credentials:
         path = directory / CREDENTIALS_FILE
         if not path.exists():
             return None
-        return cls(**json.loads(path.read_text()))
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (ValueError, TypeError) as exc:  # truncated JSON, a key missing or unknown
+            raise ValueError(
+                f"{path}: not readable credentials ({exc}); restore it from a backup, or delete the state directory "
+                "to enroll this device anew"
+            ) from None
 
 
 class Agent:
@@ -166,6 +173,8 @@ class Agent:
         self.long_poll_seconds = long_poll_seconds
         self.stop = threading.Event()  # set: a held GetTask ends now (run() and the pool's driver share theirs)
         self._fitted = False  # the data are the model's input (see :meth:`_fit_data`)
+        # the heartbeat thread's refusal (a revoked token): it ends the run as the main loop's own would
+        self._refused: Unauthenticated | None = None
 
     # ------------------------------------------------------------------ identity
 
@@ -173,6 +182,12 @@ class Agent:
         """Load the saved identity, or register (once) and save it."""
         creds = Credentials.load(self.state_dir)
         if creds is None:
+            kept = ClientState.load(self.state_dir)
+            if kept is not None:  # registering now would leave an orphan client, and this state refused after it
+                raise ValueError(
+                    f"{self.state_dir}: holds the state of client {kept.client_id} but no {CREDENTIALS_FILE}: restore "
+                    "that file, or delete the state directory to enroll this device anew"
+                )
             # the reply is saved before its model is checked (below): a refused client keeps its identity
             reply = self.client.register_reply(self.profile, self.enrollment_secret, self.name)
             creds = Credentials(
@@ -518,6 +533,10 @@ class Agent:
         """Run until the federation is done (exit code 0), keeping the client online meanwhile."""
         stop = self.stop = stop or threading.Event()
         self.client.stop_on(stop)  # a stop cancels the call in flight and the wait between retries
+        with _only_agent(self.state_dir):
+            return self._run(stop)
+
+    def _run(self, stop: threading.Event) -> int:
         beat: threading.Thread | None = None
         try:
             creds = self.ensure_registered()
@@ -530,18 +549,16 @@ class Agent:
                 if delay is None:
                     return EXIT_CODES["done"]
                 stop.wait(delay)
+            if self._refused is not None:
+                return _refused(self._refused)
             return EXIT_CODES["interrupted"]
         except Stopped:
+            if self._refused is not None:  # the heartbeat was refused: the call in flight was cancelled for it
+                return _refused(self._refused)
             log.info("event=stopped detail=%s", json.dumps("interrupted while a call was in flight or retried"))
             return EXIT_CODES["interrupted"]
         except Unauthenticated as exc:
-            hint = (
-                "check --enrollment-secret: the federation's operator gives it"
-                if "enrollment secret" in str(exc)
-                else "the operator revoked this client or the server forgot it; delete the state dir to enroll anew"
-            )
-            log.error("event=unauthenticated detail=%s hint=%s", json.dumps(str(exc)), json.dumps(hint))
-            return EXIT_CODES["unauthenticated"]
+            return _refused(exc)
         except TrainingDiverged as exc:
             log.error("event=diverged detail=%s", json.dumps(str(exc)))
             return EXIT_CODES["diverged"]
@@ -559,8 +576,57 @@ class Agent:
         while not stop.wait(max(1.0, interval)):
             try:
                 self.client.heartbeat(retry=False)
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    # revoked: no later call can succeed, so the run ends now, not at the next long poll's end
+                    self._refused = Unauthenticated(f"Heartbeat: {exc.details()}")  # type: ignore[attr-defined]
+                    stop.set()
+                    return
+                log.debug("event=heartbeat_failed error=%s", code.name if code else type(exc).__name__)
             except Exception as exc:  # the main loop reports what matters; a missed beat is not fatal
                 log.debug("event=heartbeat_failed error=%s", type(exc).__name__)
+
+
+def _refused(exc: Unauthenticated) -> int:
+    """Log why the aggregator refused this client; the exit code that says so."""
+    hint = (
+        "check --enrollment-secret: the federation's operator gives it"
+        if "enrollment secret" in str(exc)
+        else "the operator revoked this client or the server forgot it; delete the state dir to enroll anew"
+    )
+    log.error("event=unauthenticated detail=%s hint=%s", json.dumps(str(exc)), json.dumps(hint))
+    return EXIT_CODES["unauthenticated"]
+
+
+LOCK_FILE = ".agent.lock"
+
+
+@contextlib.contextmanager
+def _only_agent(state_dir: Path) -> Iterator[None]:
+    """Hold ``state_dir`` for this agent alone while it runs: a second agent on it would push the same client's
+    updates and cancel the first one's push stream (GetUploadProgress), and both would overwrite one state file.
+    An OS lock (``flock``), so a killed agent leaves none behind."""
+    import fcntl
+
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(state_dir / LOCK_FILE, "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise ValueError(
+                f"{state_dir}: another agent runs on this state directory (pid {holder}); one agent per device"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _shape(shape: tuple[int, ...]) -> str:

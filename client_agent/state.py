@@ -15,6 +15,7 @@ leaves either the previous state or the new one, never a mix.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -30,6 +31,26 @@ __all__ = ["STATE_FILE", "ClientState", "PendingUpdate", "TakenUpdate"]
 
 STATE_FILE = "state.safetensors"
 _FORMAT = 1
+
+
+def _reason(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+class StateWriteError(ValueError):
+    """The state directory refused a write (full, read-only): a condition of the device, said in one line."""
+
+
+class StateError(ValueError):
+    """A state file that cannot be read (corrupt, truncated, another program's): said in one line with the way out."""
+
+    def __init__(self, path: Path, cause: BaseException) -> None:
+        super().__init__(
+            f"{path}: not a readable client state ({_reason(cause)}); restore it from a backup, or delete the state "
+            "directory to enroll this device anew"
+        )
+
+
 _STRATEGY = "strategy."  # group prefix of the strategy state ("strategy.control", …)
 _PENDING_STRATEGY = "pending_strategy."  # and of the pending update's, not yet kept
 _TAKEN_STRATEGY = "taken_strategy."  # and of the update taken, until its round's outcome is known
@@ -155,14 +176,24 @@ class ClientState:
         path = directory / STATE_FILE
         tmp = directory / f".{STATE_FILE}.tmp"
         metadata = {"fedatoms": json.dumps(meta)}
-        if any(t.dtype == torch.bfloat16 for t in tensors.values()):  # numpy has no bfloat16
-            save_file({k: t.clone() for k, t in tensors.items()}, str(tmp), metadata=metadata)
-        else:  # the same file, written from numpy views: no copies, half the time of the torch path
-            save_numpy({k: t.numpy() for k, t in tensors.items()}, str(tmp), metadata=metadata)
-        if fsync:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            if any(t.dtype == torch.bfloat16 for t in tensors.values()):  # numpy has no bfloat16
+                save_file({k: t.clone() for k, t in tensors.items()}, str(tmp), metadata=metadata)
+            else:  # the same file, written from numpy views: no copies, half the time of the torch path
+                save_numpy({k: t.numpy() for k, t in tensors.items()}, str(tmp), metadata=metadata)
+            if fsync:
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except Exception as exc:  # a full disk, a read-only mount: the state before stays whole (the rename)
+            if not isinstance(exc, OSError) and type(exc).__name__ != "SafetensorError":
+                raise
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise StateWriteError(
+                f"{directory}: cannot save this device's state ({_reason(exc)}); the state before is kept: free "
+                "space or make the directory writable, then run the agent again"
+            ) from exc
         return path
 
     @classmethod
@@ -171,6 +202,17 @@ class ClientState:
         path = Path(directory) / STATE_FILE
         if not path.exists():
             return None
+        try:
+            return cls._read(path)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # SafetensorError is an Exception of its own
+            raise StateError(path, exc) from exc
+        except Exception as exc:
+            if type(exc).__name__ != "SafetensorError":
+                raise
+            raise StateError(path, exc) from exc
+
+    @classmethod
+    def _read(cls, path: Path) -> ClientState:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:

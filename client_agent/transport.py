@@ -316,7 +316,8 @@ class AggregatorClient:
     def _call(self, what: str, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` until it succeeds, retrying transient failures with backoff; :class:`Stopped` once
         the stop event is set (the call in flight is cancelled, the wait between attempts ends)."""
-        started, attempt = time.monotonic(), 0
+        failing_since: float | None = None  # the first failure of this call: how long the aggregator is unreachable
+        attempt = 0
         while True:
             if self._stopping():
                 raise Stopped(f"{what}: stopped")
@@ -339,7 +340,11 @@ class AggregatorClient:
                             f"the aggregator at {self.target} speaks TLS and this client connected without it: "
                             "pass --tls-ca CA.pem, the CA bundle that signed the aggregator's certificate"
                         ) from exc
-                elapsed = time.monotonic() - started
+                # a call that held a long poll or moved a slow upload for a while before it failed was no failure
+                # until then: give_up_after counts from the first failure
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                elapsed = time.monotonic() - failing_since
                 limit = self.backoff.max_elapsed
                 if code not in RETRYABLE or (limit is not None and elapsed >= limit):
                     raise

@@ -307,3 +307,48 @@ def test_agent_waiting_on_an_abandoned_round_moves_on_to_the_next(tmp_path: Path
         channel.close()
         silent.close()
         server.stop(grace=None)
+
+
+def test_a_revoked_agent_stops_at_its_next_heartbeat_not_at_the_end_of_its_long_poll(tmp_path: Path) -> None:
+    """The heartbeat thread's UNAUTHENTICATED was logged at debug level and dropped: a revoked agent waited out its
+    held GetTask (30 s) before its next call failed. It ends at the refused beat now, with exit code 3."""
+    import threading
+    import time
+
+    from aggregator_service.export import revoke
+    from client_agent.agent import EXIT_CODES, Agent
+
+    url = f"sqlite:///{tmp_path / 'agg.db'}"
+    _, server, port = serve_aggregator(
+        url,
+        enrollment_secret=SECRET,
+        heartbeat_timeout_seconds=3.0,  # a beat a second
+        federation=FederationConfig(model="digits-cnn", fraction=1.0, min_clients=2, rounds=1),
+    )
+    train, _ = load_dataset("digits")
+    channel = AggregatorClient(f"127.0.0.1:{port}")
+    try:
+        agent = Agent(
+            channel,
+            tmp_path / "device",
+            train.subset(torch.arange(100).numpy()),
+            None,
+            profile=CapabilityProfile(num_samples=100),
+            enrollment_secret=SECRET,
+            long_poll_seconds=30.0,
+        )
+        codes: list[int] = []
+        runner = threading.Thread(target=lambda: codes.append(agent.run()))
+        runner.start()  # alone in the federation (min_clients = 2): it waits in held GetTask calls
+        registered_by = time.monotonic() + 30
+        while agent.credentials is None and time.monotonic() < registered_by:  # a state, with a deadline
+            time.sleep(0.05)
+        assert agent.credentials is not None
+        revoked_at = time.monotonic()
+        revoke(url, agent.credentials.client_id)
+        runner.join(timeout=25)
+        assert not runner.is_alive() and codes == [EXIT_CODES["unauthenticated"]]
+        assert time.monotonic() - revoked_at < 10  # a beat or two, not the rest of a 30 s poll
+    finally:
+        channel.close()
+        server.stop(grace=None)

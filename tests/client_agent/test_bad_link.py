@@ -235,3 +235,27 @@ def test_a_push_that_arrives_after_its_round_closed_leaves_the_clients_strategy_
         mean = (c_a[name] + c_b.get(name, torch.zeros_like(c_a[name]))) / 2
         torch.testing.assert_close(c, mean, rtol=1e-5, atol=1e-7)
     assert all(not bool(t.any()) for t in c_b.values())
+
+
+def test_give_up_after_counts_from_the_first_failure_not_from_the_calls_start(tmp_path: Path) -> None:
+    """An upload at 100 KB/s (605 KB: about 6 s) cut once, 3 s in: the link was up all along, yet a client giving
+    up after 1.5 s ended there (``client run --give-up-after``: exit 4), counting the upload's own 3 s as down."""
+    with aggregator(tmp_path, "digits-cnn") as port:
+        proxy = LinkProxy(port, up_rate=100_000, cut_after=300_000)
+        retries: list[float] = []
+        slow = AggregatorClient(proxy.target, backoff=Backoff(base=0.05, max_elapsed=1.5), sleep=retries.append)
+        direct = AggregatorClient(f"127.0.0.1:{port}")
+        try:
+            direct.register(CapabilityProfile(num_samples=100), SECRET)  # a second member keeps round 1 open
+            _, spec = direct.register(CapabilityProfile(num_samples=100), SECRET)
+            slow.token = direct.token
+            task = direct.get_task()
+            fetched = direct.fetch(spec, {}, round_=task.train.round)
+            update = {name: tensor + 0.001 for name, (tensor, _) in fetched.model.items()}
+            proxy.armed = True
+            pushed = slow.push(task.train.round, "u-cut-once", 100, {}, update)
+            assert pushed.accepted and proxy.cuts == 1 and len(retries) >= 1
+        finally:
+            slow.close()
+            direct.close()
+            proxy.close()

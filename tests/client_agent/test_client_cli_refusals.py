@@ -114,3 +114,66 @@ def test_a_device_torch_cannot_use_is_refused(aggregator, tmp_path, capsys, devi
     assert code == 2
     assert err.strip() == f"fedatoms: error: {says}"
     assert _clients(aggregator.url) == 0 and not (tmp_path / "d").exists()  # before the state directory, too
+
+
+def _written_state(directory, client_id: str = "c-1"):
+    from client_agent.state import ClientState
+
+    directory.mkdir(parents=True, exist_ok=True)
+    ClientState(client_id, 1.0, global_tensors={"w": torch.ones(3)}).save(directory)
+    return directory / "state.safetensors"
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
+def test_a_damaged_state_file_is_one_line_and_registers_nothing(aggregator, tmp_path, capsys, damage) -> None:
+    """A corrupt state file ended in safetensors' traceback (exit 1), after registering an orphan client."""
+    path = _written_state(tmp_path / "d")
+    whole = path.read_bytes()
+    path.write_bytes({"garbage": b"\xff" * 64, "truncated": whole[: len(whole) // 2], "empty": b""}[damage])
+    code, err = _run(capsys, "--server", aggregator.target, "--state-dir", str(tmp_path / "d"))
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("fedatoms: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert f"{path}: not a readable client state" in errors[0] and "delete the state directory" in errors[0]
+    assert _clients(aggregator.url) == 0
+
+
+def test_a_lost_credentials_file_is_refused_before_registering(aggregator, tmp_path, capsys) -> None:
+    """Registering first left an orphan client behind, then refused the state (it named another client): every run."""
+    _written_state(tmp_path / "d", client_id="kept-client")
+    code, err = _run(capsys, "--server", aggregator.target, "--state-dir", str(tmp_path / "d"))
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("fedatoms: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert "holds the state of client kept-client but no credentials.json" in errors[0]
+    assert _clients(aggregator.url) == 0
+
+
+def test_damaged_credentials_are_one_line(aggregator, tmp_path, capsys) -> None:
+    (tmp_path / "d").mkdir()
+    for text in ('{"client_id": "x", "tier": 1.0', '{"client_id": "x"}'):  # truncated; a key missing
+        (tmp_path / "d" / "credentials.json").write_text(text)
+        code, err = _run(capsys, "--server", aggregator.target, "--state-dir", str(tmp_path / "d"))
+        assert code == 2, err
+        errors = [line for line in err.splitlines() if line.startswith("fedatoms: error:")]
+        assert len(errors) == 1 and "Traceback" not in err, err
+        assert "credentials.json: not readable credentials" in errors[0]
+    assert _clients(aggregator.url) == 0
+
+
+def test_a_second_agent_on_a_state_directory_in_use_is_refused(aggregator, tmp_path, capsys) -> None:
+    """Two agents on one directory pushed the same client's updates, and the second's resume cancelled the
+    first's push stream (a CANCELLED traceback)."""
+    import os
+
+    from client_agent.agent import _only_agent
+
+    with _only_agent(tmp_path / "d"):  # what a running agent holds
+        code, err = _run(capsys, "--server", aggregator.target, "--state-dir", str(tmp_path / "d"))
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("fedatoms: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert f"another agent runs on this state directory (pid {os.getpid()})" in errors[0]
+    assert _clients(aggregator.url) == 0
+    with _only_agent(tmp_path / "d"):  # released when the agent ends: the next one runs
+        pass

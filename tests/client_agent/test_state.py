@@ -116,3 +116,19 @@ def test_a_tensor_synchronized_since_supersedes_its_unsynced_value() -> None:
     state.receive({"a": (torch.ones(2), 2)})
     start = state.starting_point(continue_unsynced=True)
     assert torch.equal(start["a"], torch.ones(2)) and torch.equal(start["b"], torch.full((2,), 9.0))
+
+
+def test_a_state_the_directory_refuses_to_take_keeps_the_state_before(tmp_path) -> None:
+    """A full disk or a read-only mount: safetensors' SafetensorError or OSError reached the agent's caller as a
+    traceback. Here the temporary file's name is taken by a directory, which no user can write over."""
+    import pytest
+
+    from client_agent.state import ClientState, StateWriteError
+
+    before = ClientState("c-1", 1.0, global_tensors={"w": torch.ones(3)})
+    before.save(tmp_path)
+    (tmp_path / ".state.safetensors.tmp").mkdir()
+    after = ClientState("c-1", 1.0, global_tensors={"w": torch.zeros(3)})
+    with pytest.raises(StateWriteError, match=r"cannot save this device's state .* the state before is kept"):
+        after.save(tmp_path)
+    assert torch.equal(ClientState.load(tmp_path).global_tensors["w"], torch.ones(3))
