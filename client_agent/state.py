@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 from torch import Tensor
@@ -185,9 +186,7 @@ class ClientState:
                 with open(tmp, "rb") as f:
                     os.fsync(f.fileno())
             os.replace(tmp, path)
-        except Exception as exc:  # a full disk, a read-only mount: the state before stays whole (the rename)
-            if not isinstance(exc, OSError) and type(exc).__name__ != "SafetensorError":
-                raise
+        except (OSError, SafetensorError) as exc:  # a full disk, a read-only mount: the state before stays whole
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             raise StateWriteError(
@@ -204,11 +203,7 @@ class ClientState:
             return None
         try:
             return cls._read(path)
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # SafetensorError is an Exception of its own
-            raise StateError(path, exc) from exc
-        except Exception as exc:
-            if type(exc).__name__ != "SafetensorError":
-                raise
+        except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
             raise StateError(path, exc) from exc
 
     @classmethod

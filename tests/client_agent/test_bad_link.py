@@ -58,6 +58,13 @@ def cut_link(port: int, **cuts: int) -> Iterator[tuple[LinkProxy, AggregatorClie
         proxy.close()
 
 
+def two_members(direct: AggregatorClient) -> tuple[object, object]:
+    """Register two clients through ``direct`` (the second keeps round 1 open for the first); ``(spec, its token)``."""
+    direct.register(CapabilityProfile(num_samples=100), SECRET)
+    _, spec = direct.register(CapabilityProfile(num_samples=100), SECRET)
+    return spec, direct.token
+
+
 def test_a_link_too_slow_for_the_call_deadline_still_fetches_and_pushes(tmp_path: Path) -> None:
     """At 200 KB/s the 605 KB model takes about 3 s, three times rpc_timeout: a fixed deadline would cut
     every attempt at the same place, forever. The deadline follows the transfer's size instead."""
@@ -73,9 +80,7 @@ def test_a_link_too_slow_for_the_call_deadline_still_fetches_and_pushes(tmp_path
         )
         direct = AggregatorClient(f"127.0.0.1:{port}")
         try:
-            direct.register(CapabilityProfile(num_samples=100), SECRET)  # a second member keeps round 1 open
-            _, spec = direct.register(CapabilityProfile(num_samples=100), SECRET)
-            slow.token = direct.token
+            spec, slow.token = two_members(direct)
             task = slow.get_task()
             started = time.monotonic()
             fetched = slow.fetch(spec, {}, round_=task.train.round)
@@ -246,9 +251,7 @@ def test_give_up_after_counts_from_the_first_failure_not_from_the_calls_start(tm
         slow = AggregatorClient(proxy.target, backoff=Backoff(base=0.05, max_elapsed=1.5), sleep=retries.append)
         direct = AggregatorClient(f"127.0.0.1:{port}")
         try:
-            direct.register(CapabilityProfile(num_samples=100), SECRET)  # a second member keeps round 1 open
-            _, spec = direct.register(CapabilityProfile(num_samples=100), SECRET)
-            slow.token = direct.token
+            spec, slow.token = two_members(direct)
             task = direct.get_task()
             fetched = direct.fetch(spec, {}, round_=task.train.round)
             update = {name: tensor + 0.001 for name, (tensor, _) in fetched.model.items()}
