@@ -43,7 +43,9 @@ __all__ = [
     "AggregatorSettings",
     "FederationConfig",
     "StoreTarget",
+    "inert_keys",
     "nested_rank_ratio_for",
+    "parse_tiers",
     "recorded_normalization",
     "stored_spec",
 ]
@@ -134,9 +136,7 @@ class FederationConfig:
     normalization: dict[str, list[float]] | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.tiers, str):
-            self.tiers = [float(t) for t in self.tiers.split(",") if t.strip()]
-        self.tiers = [float(t) for t in self.tiers]
+        self.tiers = parse_tiers(self.tiers)
         unknown = [t for t in self.tiers if t not in TIERS]
         if not self.tiers or unknown:
             raise ValueError(f"tiers must be among {', '.join(f'{t:g}' for t in TIERS)}, got {self.tiers}")
@@ -185,6 +185,10 @@ class FederationConfig:
             )
         if self.hold_cohort not in HOLD_COHORT:
             raise ValueError(f"hold_cohort must be one of {', '.join(HOLD_COHORT)}, got {self.hold_cohort!r}")
+        defaults = {f.name: f.default for f in fields(FederationConfig)}
+        for key, why in inert_keys(self.interval_policy, self.tiers).items():
+            if getattr(self, key) != defaults[key]:
+                raise ValueError(f"{key} = {getattr(self, key)!r} would change nothing: {why}. Leave it unset")
         if self.interval_policy == "fixed" and self.factorization not in ("atoms", "atoms-lowrank"):
             raise ValueError(
                 "the fixed policy delays atom coefficients: it needs --factorization atoms or atoms-lowrank"
@@ -341,6 +345,40 @@ _OPTIONAL_MODEL_KEYS = ("model_args", "full_rank", "head", "input_shape")
 
 #: FederationConfig's keys that are TrainConfig fields, passed to clients as they are.
 _TRAINING_KEYS = tuple(f.name for f in fields(FederationConfig) if f.name in {g.name for g in fields(TrainConfig)})
+
+
+def parse_tiers(tiers: Any) -> list[float]:
+    """A tiers key as TOML, a flag (``"1,0.5"``) or ``--set tiers=0.125`` give it: a list of floats."""
+    if isinstance(tiers, str):
+        return [float(t) for t in tiers.split(",") if t.strip()]
+    if isinstance(tiers, (int, float)):
+        return [float(tiers)]
+    return [float(t) for t in tiers]
+
+
+#: the keys only one interval policy reads
+POLICY_KEYS: dict[str, tuple[str, ...]] = {
+    "fixed": ("beta",),
+    "fedlama": ("tau", "phi", "warmup_rounds", "lama_warmup", "hold_cohort", "lama_protect"),
+}
+
+
+def inert_keys(interval_policy: str, tiers: Sequence[float]) -> dict[str, str]:
+    """Method keys a federation with this policy and these tiers never reads → why. Set away from its default
+    such a key would run without a word and change nothing, so a new config refuses it; a stored federation's
+    value of one is no part of its method (:mod:`.coordinator.restore` ignores it)."""
+    inert = {
+        key: f"only the {policy} interval policy reads it, and interval_policy is {interval_policy!r}"
+        for policy, keys in POLICY_KEYS.items()
+        if policy != interval_policy
+        for key in keys
+    }
+    if min(tiers) >= 1.0:
+        inert["tier_init"] = "it cuts tiers below 1, and every tier is 1"
+    if len(set(tiers)) == 1:
+        single = f"it settles how mixed tiers train together, and every client is at tier {tiers[0]:g}"
+        inert["tier_average"] = inert["tier_training"] = single
+    return inert
 
 
 def nested_rank_ratio_for(tiers: Sequence[float], tier_training: str) -> float | None:

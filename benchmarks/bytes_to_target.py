@@ -25,7 +25,8 @@ learning on digits), 40 rounds, 3 seeds (``--first-seed`` picks where they start
 runs). ``--data`` federates your own images instead (an ImageFolder directory, or ``module:function``
 returning ``(train, test)`` Datasets, as ``fedatoms simulate --data``) with the ``--model`` you name.
 ``--set KEY=VALUE`` applies a config key to every configuration but FedAvg, which stays the papers'
-baseline (e.g. ``--set warmup_rounds=0`` for FedLAMA's Algorithm 1); the setting FedAvg must share
+baseline (e.g. ``--set warmup_rounds=0`` for FedLAMA's Algorithm 1), where the configuration reads it (a FedLAMA key
+only where FedLAMA runs, a mixed tiers' rule only where tiers mix); the setting FedAvg must share
 (data, split, rounds, rate, model, seed) has its own flags and is refused there. ``--jobs`` runs that
 many simulations in parallel processes (one torch thread each). A run that takes longer than a minute
 reports its latest round about once a minute on stderr. A run that diverges (a tensor non-finite, or past
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     from dataclasses import fields
 
+    from aggregator_service.config import inert_keys, parse_tiers
     from fedatoms.simulate import SimulationConfig
 
     config_keys = {f.name for f in fields(SimulationConfig)}
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             p.error(f"--baseline {args.baseline}: {exc}")
     jobs = []
+    read: set[str] = set()  # the --set keys some configuration reads
     for name in names:
         if name == "fedavg" and results:
             continue  # its runs are the baseline's
@@ -273,12 +276,17 @@ def main(argv: list[str] | None = None) -> int:
         if name == "stack":
             keys["phi"] = args.stack_phi
         if name != "fedavg":  # plain FedAvg stays the papers' baseline whatever the rules under test
-            keys.update(extra)
+            merged = {**keys, **extra}
+            unread = inert_keys(merged.get("interval_policy", "every_round"), parse_tiers(merged.get("tiers", [1.0])))
+            keys.update({k: v for k, v in extra.items() if k not in unread})
+            read.update(k for k in extra if k not in unread)
         for seed in seeds:
             jobs.append((name, seed, keys))
 
     if not jobs:
         p.error("--baseline holds FedAvg's runs: name the configurations to compare with them in --configs")
+    if set(extra) - read:
+        p.error(f"--set {', '.join(sorted(set(extra) - read))}: no configuration of {','.join(names)} reads it")
     try:  # refuse a setting that cannot run before any run starts
         for keys in {name: keys for name, _, keys in jobs}.values():
             SimulationConfig(**keys, seed=seeds[0])

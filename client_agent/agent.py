@@ -551,6 +551,7 @@ class Agent:
                 stop.wait(delay)
             if self._refused is not None:
                 return _refused(self._refused)
+            log.info("event=stopped detail=%s", json.dumps("interrupted between calls"))
             return EXIT_CODES["interrupted"]
         except Stopped:
             if self._refused is not None:  # the heartbeat was refused: the call in flight was cancelled for it

@@ -108,11 +108,33 @@ def test_a_setting_fedavg_must_share_is_refused_in_set(
         (["--set", "lr=0.1"], "use --lr"),
         (["--set", "data=elsewhere"], "use --data"),
         (["--set", "no_such_key=1"], "not a config key"),
+        (
+            ["--configs", "fedavg,atoms,fedhm-1/8", "--set", "phi=4"],
+            "no configuration of fedavg,atoms,fedhm-1/8 reads it",
+        ),
+        (["--configs", "atoms-lowrank", "--set", "tiers=0.125", "--set", "tier_average=aligned"], "reads it"),
         (["--data", str(tmp_path)], "needs --model"),
     ):
         with pytest.raises(SystemExit) as exited:
             script.main(args)
         assert exited.value.code == 2 and said in capsys.readouterr().err, args
+
+
+def test_a_set_key_goes_to_the_configurations_that_read_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--set warmup_rounds=0`` reaches FedLAMA's configuration, and plain atoms run as they would without it
+    (a config refuses a key its method never reads): the same record as a run without ``--set``."""
+    script = _script(monkeypatch)
+    runs = {}
+    for name, extra in (("set", ["--set", "warmup_rounds=0"]), ("plain", [])):
+        json_path = tmp_path / f"{name}.json"
+        args = [*SMALL[:-1], "fedavg,atoms,atoms+lama2", "--seeds", "1", "--plot", str(tmp_path / "p.png")]
+        assert script.main([*args, "--json", str(json_path), *extra]) == 0
+        runs[name] = {r["configuration"]: r for r in json.loads(json_path.read_text())["runs"]}
+    capsys.readouterr()
+    assert runs["set"]["atoms"]["accuracy"] == runs["plain"]["atoms"]["accuracy"]
+    assert runs["set"]["fedavg"]["accuracy"] == runs["plain"]["fedavg"]["accuracy"]
 
 
 def test_a_baseline_from_an_earlier_json_gives_the_table_a_run_with_fedavg_gives(

@@ -60,6 +60,8 @@ def test_a_run_without_a_mistake_draws_the_bar() -> None:
             ("--clients", "4", "--transport", "grpc", "--enrollment-secret", "s"),
             "--enrollment-secret applies only with",
         ),
+        # a method key the chosen method never reads
+        (("--clients", "4", "--phi", "4"), "phi = 4 would change nothing: only the fedlama interval policy reads it"),
         # written after the last round: refused before the first
         (("--clients", "4", "--save-model", "{tmp}"), "is a directory: give the model file's path"),
         (("--clients", "4", "--output", "{tmp}/missing/results.json"), "there is no directory"),

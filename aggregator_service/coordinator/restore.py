@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from torch import Tensor
 
 from aggregator_service import store
-from aggregator_service.config import KEYS_SINCE, recorded_normalization
+from aggregator_service.config import KEYS_SINCE, inert_keys, recorded_normalization, stored_keys
 from aggregator_service.database_url import shown
 from aggregator_service.logfmt import kv
 from aggregator_service.rounds import Federation, RoundPlan
@@ -76,7 +76,8 @@ def load(shared: Shared) -> None:
                 if row.config.get(key) != getattr(shared.config, key):
                     row.config = {**row.config, key: getattr(shared.config, key)}
         total = store.count_clients(s, row, include_revoked=False)
-        predates = {k: v for k, v in KEYS_SINCE.items() if not created and k not in row.config}
+        unread = inert_keys(shared.config.interval_policy, shared.config.tiers)
+        predates = {k: v for k, v in KEYS_SINCE.items() if not created and k not in row.config and k not in unread}
         if predates:
             log.info(kv("federation_predates_keys", name=settings.federation_name, keeps=predates))
             shared.config = replace(shared.config, **predates)  # for the server and the clients it trains
@@ -157,10 +158,19 @@ def _record_benchmark_normalization(shared: Shared, row: store.Federation) -> No
 
 def _check_config(shared: Shared, stored: Mapping[str, Any]) -> None:
     current = _config_json(shared)
+    was = stored_keys(stored)
+    # a key neither the stored method nor the configured one reads is no part of either (an older release
+    # accepted one set to no effect; a new config refuses it, so the operator removes it to restart)
+    unread = set(inert_keys(was.interval_policy, was.tiers)) & set(
+        inert_keys(shared.config.interval_policy, shared.config.tiers)
+    )
     differ = sorted(
         k
         for k in set(stored) | set(current)
-        if k not in _MUTABLE_CONFIG_KEYS and (k in stored or k not in KEYS_SINCE) and stored.get(k) != current.get(k)
+        if k not in _MUTABLE_CONFIG_KEYS
+        and k not in unread
+        and (k in stored or k not in KEYS_SINCE)
+        and stored.get(k) != current.get(k)
     )
     if differ:
         settings = shared.settings

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from aggregator_service.intervals import FedLAMA, protected_modules
@@ -78,15 +80,11 @@ def test_cohort_is_held_only_while_something_is_relaxed() -> None:
     ("key", "values"),
     [
         ("cohort", ("per_round", "period")),
-        ("tier_init", ("energy", "truncated")),
-        ("tier_init", ("energy", "nested")),
-        ("tier_average", ("held", "aligned")),
-        ("tier_training", ("nested", "own")),
-        ("lama_warmup", ("periods", "rounds")),
     ],
 )
 def test_plain_fedavg_record_is_the_same_under_either_rule(key: str, values: tuple[str, str]) -> None:
-    """Cohort rules and a tier's first cut change nothing for plain FedAvg, to the bit."""
+    """Cohort rules change nothing for plain FedAvg, to the bit (the tier and FedLAMA rules cannot be set for it:
+    the next test)."""
     common = {"rounds": 2, "clients": 6, "fraction": 0.5, "local_epochs": 1, "seed": 4}
     a, b = (run_simulation(SimulationConfig(**common, **{key: v}))["rounds"] for v in values)
     strip = lambda rs: [{k: v for k, v in r.items() if k != "wall_seconds"} for r in rs]  # noqa: E731
@@ -116,6 +114,37 @@ def test_fedlama_relaxes_nothing_in_its_warmup_at_phi_4() -> None:
         # a record shows the intervals its round's close set: the first adjustment's round, 16 or 8
         relaxed = [r["round"] for r in records if any(t["interval"] > 1 for t in r["tensors"].values())]
         assert relaxed and (min(relaxed) > 12 if rule == "periods" else min(relaxed) <= 12), (rule, relaxed)
+
+
+@pytest.mark.parametrize(
+    ("method", "key", "value", "why"),
+    [
+        ({}, "beta", 0.5, "only the fixed interval policy reads it, and interval_policy is 'every_round'"),
+        ({}, "phi", 4, "only the fedlama interval policy reads it"),
+        ({}, "warmup_rounds", 0, "only the fedlama interval policy reads it"),
+        ({}, "lama_warmup", "rounds", "only the fedlama interval policy reads it"),
+        ({}, "lama_protect", "none", "only the fedlama interval policy reads it"),
+        ({"interval_policy": "fedlama"}, "beta", 0.5, "only the fixed interval policy reads it"),
+        ({"factorization": "atoms", "interval_policy": "fixed"}, "tau", 2, "only the fedlama interval policy"),
+        ({}, "tier_init", "truncated", "it cuts tiers below 1, and every tier is 1"),
+        ({"factorization": "lowrank", "tiers": [0.125]}, "tier_average", "aligned", "every client is at tier 0.125"),
+        ({"factorization": "lowrank", "tiers": [0.5]}, "tier_training", "own", "how mixed tiers train together"),
+    ],
+)
+def test_a_key_the_method_never_reads_is_refused(method: dict, key: str, value: object, why: str) -> None:
+    """Set away from its default, a key the chosen method does not read would run without a word and change
+    nothing (``--beta`` under FedLAMA, a mixed tiers' rule with one tier): refused, saying why."""
+    with pytest.raises(ValueError, match=rf"{key} = {value!r} would change nothing: .*{re.escape(why)}"):
+        SimulationConfig(**method, **{key: value})
+    SimulationConfig(**method)  # the method itself is fine
+
+
+def test_a_key_the_method_reads_is_taken() -> None:
+    assert SimulationConfig(factorization="atoms", interval_policy="fixed", beta=0.5).policy_params() == {"beta": 0.5}
+    assert SimulationConfig(interval_policy="fedlama", phi=4, warmup_rounds=0).policy_params()["phi"] == 4
+    mixed = SimulationConfig(factorization="lowrank", tiers=[1.0, 0.125], tier_average="aligned", tier_training="own")
+    assert (mixed.tier_average, mixed.nested_rank_ratio) == ("aligned", None)
+    assert SimulationConfig(factorization="lowrank", tiers=[0.125], tier_init="truncated").tier_init == "truncated"
 
 
 def test_an_unknown_lama_warmup_is_refused_naming_the_choices() -> None:

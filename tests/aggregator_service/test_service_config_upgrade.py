@@ -127,3 +127,48 @@ def test_a_federation_stored_before_full_rank_share_keeps_its_stem_alone(backend
     finally:
         engine.dispose()
     assert "full_rank_share" not in stored and stored_spec(stored) == fed.spec
+
+
+def _set_stored_keys(url: str, **keys: object) -> None:
+    engine = store.create_engine_for(url)
+    try:
+        with store.session_factory(engine).begin() as s:
+            row = s.scalars(select(FederationRow)).one()
+            row.config = {**row.config, **keys}
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
+def test_a_federation_stored_with_a_key_its_method_never_read_restarts_once_the_key_is_removed(
+    backend, request, start_service
+):
+    """An earlier release accepted ``phi = 4`` with every tensor every round, and stored it. Its settings are now
+    refused in one line saying why; with the key removed the federation restarts, the stored value being no part
+    of its method. A key the method does read is still held to its stored value."""
+    url = request.getfixturevalue(backend)
+    start_service(url, small_federation()).stop()
+    _set_stored_keys(url, phi=4, beta=0.5)  # what the earlier release stored from the operator's settings
+    with pytest.raises(ValueError, match="phi = 4 would change nothing: only the fedlama interval policy reads it"):
+        small_federation(phi=4)
+    service = start_service(url, small_federation())  # not "a different method"
+    fed = service.coordinator.shared.federation
+    assert fed.policy.intervals() == {n: 1 for n in fed.spec.names}
+    service.stop()
+    # under FedLAMA phi is part of the method: held to its stored value
+    start_service(url, small_federation(interval_policy="fedlama", phi=4), federation_name="lama").stop()
+    with pytest.raises(ValueError, match="phi: stored 4, configured 2"):
+        start_service(url, small_federation(interval_policy="fedlama"), federation_name="lama")
+
+
+@pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
+def test_a_plain_federation_stored_before_the_tier_and_fedlama_rules_restarts(backend, request, start_service):
+    """FedAvg over one tier reads none of the tier rules nor FedLAMA's warm-up: stored before they existed, it
+    restarts as it ran, not with their old values set on a config that would refuse them."""
+    url = request.getfixturevalue(backend)
+    plain = dict(factorization="none", tiers=[1.0])
+    start_service(url, small_federation(**plain)).stop()
+    _drop_stored_keys(url, "tier_init", "tier_average", "tier_training", "lama_warmup", "full_rank_share")
+    shared = start_service(url, small_federation(**plain)).coordinator.shared
+    assert (shared.config.tier_init, shared.config.lama_warmup) == ("energy", "periods")  # defaults, never read
+    assert shared.config.full_rank_share == 0.0  # a key its model spec does read keeps the value it ran with

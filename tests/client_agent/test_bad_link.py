@@ -184,6 +184,29 @@ def test_sigterm_while_the_agent_waits_on_a_dead_link_exits_130_at_once(tmp_path
     assert "event=stopped" in log.read_text()
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_agent_waits_for_its_round_says_it_stopped(tmp_path: Path, sig: int) -> None:
+    """Alone in a federation that needs two members, a registered agent waits for a round (a held GetTask, then
+    the wait the server tells it). Ctrl-C or SIGTERM there ends it with exit 130 and an ``event=stopped`` line,
+    as a signal during a call does: the line was missing when the stop came between calls."""
+    log = tmp_path / "agent.log"
+    with aggregator(tmp_path, "digits-cnn") as port:
+        cmd = [sys.executable, "-m", "fedatoms", "client", "run", "--server", f"127.0.0.1:{port}"]
+        cmd += ["--enrollment-secret", SECRET, "--partition-index", "0", "--state-dir", str(tmp_path / "d")]
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+        try:
+            wait_for(log, r"event=registered", proc=agent)
+            time.sleep(2.0)  # into its wait: nothing to observe from outside but time
+            agent.send_signal(sig)
+            code = agent.wait(60)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    assert "event=stopped" in text, text[-3000:]
+
+
 def test_a_push_that_arrives_after_its_round_closed_leaves_the_clients_strategy_state_as_it_was(
     tmp_path: Path,
 ) -> None:
