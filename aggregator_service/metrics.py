@@ -261,3 +261,14 @@ def fedavg_equivalent_bytes(spec: ModelSpec, transfers: int = 1) -> int:
     if transfers < 0:
         raise ValueError(f"transfers must be ≥ 0, got {transfers}")
     return transfers * fedavg_transfer_bytes(spec)
+
+
+def fedavg_equivalent_of_part(spec: ModelSpec, sent: int, whole: int) -> int:
+    """The FedAvg-equivalent of a transfer cut after ``sent`` of its ``whole`` model bytes: the same share of
+    FedAvg's transfer, rounded to the byte. Counting a cut fetch as a whole one would credit the retry that
+    follows it with a second FedAvg transfer (plain FedAvg on a bad link would read below 1.000); in shares,
+    plain FedAvg's equivalent is its bytes exactly, cut or not."""
+    if not 0 <= sent <= whole:
+        raise ValueError(f"sent must be in [0, whole = {whole}], got {sent}")
+    unit = fedavg_transfer_bytes(spec)
+    return unit if sent == whole else (2 * unit * sent + whole) // (2 * whole)

@@ -298,24 +298,27 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 self.tarpit.refused(context.peer())
             _handle(context, exc, "FetchModel")
         sent: dict[str, int] = {}
-        model_sent = [False]  # some of the model went out: a transfer FedAvg makes too (the control alone is none)
+        # the model's bytes, sent and to send: a fetch cut midway counts that share of a FedAvg transfer (the
+        # control alone, SCAFFOLD's, is none)
+        whole = sum(n for name, t, v in model for _, n in self._entries(client.tier, pb.TENSOR_KIND_MODEL, name, t, v))
+        model_sent = [0]
 
-        def entries() -> Iterator[tuple[bytes, int, str]]:
+        def entries() -> Iterator[tuple[bytes, int, tuple[str, bool]]]:
             for kind, tensors in ((pb.TENSOR_KIND_MODEL, model), (pb.TENSOR_KIND_SERVER_CONTROL, control)):
                 for name, tensor, version in tensors:
                     for entry, nbytes in self._entries(client.tier, kind, name, tensor, version):
-                        model_sent[0] = model_sent[0] or (kind == pb.TENSOR_KIND_MODEL and nbytes > 0)
-                        yield entry, nbytes, name
+                        yield entry, nbytes, (name, kind == pb.TENSOR_KIND_MODEL)
 
         try:
             for group in framing.packed(entries()):
-                yield group[0][0] if len(group) == 1 else b"".join(entry for entry, _, _ in group)
-                for _, nbytes, name in group:
+                for _, nbytes, (name, of_model) in group:  # handed to the transport: sent, unless the call ends first
                     sent[name] = sent.get(name, 0) + nbytes
-        finally:
+                    model_sent[0] += nbytes if of_model else 0
+                yield group[0][0] if len(group) == 1 else b"".join(entry for entry, _, _ in group)
+        finally:  # the last message out, or the call cut (gRPC then drops this generator, which closes it)
             total = sum(sent.values())
             try:
-                self.coordinator.record_download(client, total, sent, round_, category, transfer=model_sent[0])
+                self.coordinator.record_download(client, total, sent, round_, category, model=(model_sent[0], whole))
             except Exception:
                 log.exception(kv("record_download_failed", client=client.id, bytes=total))
 

@@ -19,7 +19,7 @@ the way out, :func:`batch_entry` serializes a chunk with one copy of its data.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -225,12 +225,16 @@ def batch_entry(chunk: codec.Chunk, kind: int = pb.TENSOR_KIND_MODEL) -> bytes:
     return b"".join((_key(_BATCH_CHUNKS), _varint(body), head, data_key, size, chunk.data))
 
 
+_Tag = TypeVar("_Tag")
+
+
 def packed(
-    entries: Iterable[tuple[bytes, int, str]], limit: int = codec.CHUNK_BYTES
-) -> Iterator[list[tuple[bytes, int, str]]]:
-    """Groups of consecutive ``(batch entry, data bytes, tensor name)``: a group grows until the next
-    entry would take its data past ``limit``; a group's entries joined are one ``TensorChunkBatch``."""
-    group: list[tuple[bytes, int, str]] = []
+    entries: Iterable[tuple[bytes, int, _Tag]], limit: int = codec.CHUNK_BYTES
+) -> Iterator[list[tuple[bytes, int, _Tag]]]:
+    """Groups of consecutive ``(batch entry, data bytes, tag)`` (the tag, e.g. the tensor's name, is the caller's):
+    a group grows until the next entry would take its data past ``limit``; a group's entries joined are one
+    ``TensorChunkBatch``."""
+    group: list[tuple[bytes, int, _Tag]] = []
     data = 0
     for entry in entries:
         if group and data + entry[1] > limit:

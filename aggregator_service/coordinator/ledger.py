@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from aggregator_service import store
 from aggregator_service.errors import InvalidArgument
-from aggregator_service.metrics import category_of, fedavg_equivalent_bytes
+from aggregator_service.metrics import category_of, fedavg_equivalent_bytes, fedavg_equivalent_of_part
 
 from .answers import ClientInfo
 from .shared import Shared
@@ -32,7 +32,9 @@ from .shared import Shared
 __all__ = ["Counts", "Ledger"]
 
 TransferKey = tuple[int, str, str]  # (round, client id, category)
-Counts = Mapping[TransferKey, tuple[int, int, dict[str, int]]]  # → (bytes, transfers, bytes per full-rank tensor)
+Counts = Mapping[
+    TransferKey, tuple[int, int, dict[str, int]]
+]  # → (bytes, FedAvg-equivalent, bytes per full-rank tensor)
 
 
 class Ledger:
@@ -41,7 +43,7 @@ class Ledger:
     def __init__(self, shared: Shared) -> None:
         self.shared = shared
         self._lock = threading.Lock()
-        # moved since the last write: (round, client id, category) → (bytes, transfers, bytes per full-rank tensor)
+        # moved since the last write: (round, client id, category) → (bytes, FedAvg-equivalent, per full-rank tensor)
         self._counts: dict[TransferKey, tuple[int, int, dict[str, int]]] = {}
 
     def download_round(self, requested: int | None) -> int:
@@ -71,14 +73,17 @@ class Ledger:
         round_: int | None = None,
         category: str = "train_fetch",
         *,
-        transfer: bool = True,
+        model: tuple[int, int] | None = None,
     ) -> None:
         """Count one fetch's bytes sent to ``client`` toward ``round_`` (see :meth:`download_round`), per
-        full-rank tensor too, under ``category`` (``train_fetch`` or ``eval_fetch``). ``transfer`` False: it
-        moved only SCAFFOLD's control, a fetch FedAvg would not make (its bytes count, not its FedAvg
-        equivalent)."""
+        full-rank tensor too, under ``category`` (``train_fetch`` or ``eval_fetch``). ``model`` is
+        ``(sent, whole)``, the model bytes the fetch sent and those it had to send: its FedAvg-equivalent is
+        that share of FedAvg's transfer (:func:`.metrics.fedavg_equivalent_of_part`; none when it moved only
+        SCAFFOLD's control, a fetch FedAvg would not make). Unset: all of it went out."""
         round_ = self.download_round(None) if round_ is None else round_
-        self.count(client, category, round_, nbytes, per_tensor, transfer=transfer)
+        sent, whole = (nbytes, nbytes) if model is None else model
+        equivalent = fedavg_equivalent_of_part(self.shared.federation.spec, sent, whole) if sent > 0 else 0
+        self.count(client, category, round_, nbytes, per_tensor, equivalent)
 
     def count(
         self,
@@ -87,20 +92,19 @@ class Ledger:
         round_: int,
         nbytes: int,
         per_tensor: Mapping[str, int] | None,
-        *,
-        transfer: bool = True,
+        equivalent: int,
     ) -> None:
-        """Count one transfer in memory (``category``, or ``"down"``/``"up"``), toward the full-rank tensors
-        its bytes belong to; a transfer that moved nothing is no transfer."""
+        """Count one transfer in memory (``category``, or ``"down"``/``"up"``) and its FedAvg-equivalent bytes,
+        toward the full-rank tensors its bytes belong to; a transfer that moved nothing is no transfer."""
         if nbytes <= 0 or round_ < 1:
             return
         per = self._owners(client.tier, per_tensor or {})
         key = (round_, client.id, category_of(category))
         with self._lock:
-            total, transfers, tensors = self._counts.get(key, (0, 0, {}))
+            total, fedavg, tensors = self._counts.get(key, (0, 0, {}))
             for name, b in per.items():
                 tensors[name] = tensors.get(name, 0) + b
-            self._counts[key] = (total + nbytes, transfers + int(transfer), tensors)
+            self._counts[key] = (total + nbytes, fedavg + equivalent, tensors)
 
     def write_push(
         self, s: Session, client: ClientInfo, round_: int, nbytes: int, per_tensor: Mapping[str, int]
@@ -123,14 +127,10 @@ class Ledger:
         with self._lock:
             drained, self._counts = self._counts, {}
         try:
-            spec = self.shared.federation.spec
             store.record_transfers(
                 s,
                 self.shared.fed_row,
-                (
-                    (r, cid, c, n, per, fedavg_equivalent_bytes(spec, k))
-                    for (r, cid, c), (n, k, per) in sorted(drained.items())
-                ),
+                ((r, cid, c, n, per, fedavg) for (r, cid, c), (n, fedavg, per) in sorted(drained.items())),
                 pruned_through=self._pruned_through(s),
             )
         except BaseException:
@@ -141,11 +141,11 @@ class Ledger:
     def unwrite(self, drained: Counts) -> None:
         """Count again what a rolled-back transaction had written."""
         with self._lock:
-            for key, (nbytes, transfers, tensors) in drained.items():
-                total, count, now = self._counts.get(key, (0, 0, {}))
+            for key, (nbytes, fedavg, tensors) in drained.items():
+                total, counted, now = self._counts.get(key, (0, 0, {}))
                 for name, b in tensors.items():
                     now[name] = now.get(name, 0) + b
-                self._counts[key] = (total + nbytes, count + transfers, now)
+                self._counts[key] = (total + nbytes, counted + fedavg, now)
 
     def flush(self, touches: Mapping[str, datetime]) -> None:
         """Write counted transfers and the deferred last-seen ``touches`` now, in one transaction."""

@@ -1,0 +1,64 @@
+"""A fetch cut midway: the ledger counts the bytes it sent, and that share of a FedAvg transfer as its equivalent.
+
+Counted as a whole transfer, a cut fetch and the retry after it were two FedAvg transfers, so plain FedAvg on a bad
+link read fewer bytes than FedAvg. The oracles: plain FedAvg's equivalent is its bytes exactly; FedAvg's transfer
+of McMahan's CNN is its 1,663,370 fp32 parameters (the paper's count).
+"""
+
+from __future__ import annotations
+
+import pytest
+from grpc_helpers import register, shards, small_federation
+from sqlalchemy import select
+from support import wait_until
+
+from aggregator_service import store
+from fedwire.v1 import aggregator_pb2 as pb
+
+MNIST_CNN_FP32_BYTES = 1_663_370 * 4
+
+
+def _fetches(url: str) -> dict[str, tuple[int, int]]:
+    """client id → (bytes, FedAvg-equivalent bytes) of its ``train_fetch`` transfers, as the database holds them."""
+    engine = store.create_engine_for(url)
+    try:
+        with engine.connect() as conn:
+            t = store.Transfer
+            rows = conn.execute(
+                select(t.client_id, t.bytes, t.fedavg_equivalent_bytes).where(t.category == "train_fetch")
+            ).all()
+    finally:
+        engine.dispose()
+    out: dict[str, tuple[int, int]] = {}
+    for client_id, nbytes, fedavg in rows:
+        was = out.get(client_id, (0, 0))
+        out[client_id] = (was[0] + int(nbytes), was[1] + int(fedavg))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
+@pytest.mark.parametrize("factorization", ["none", "atoms"])
+def test_a_fetch_cut_midway_counts_its_share_of_a_fedavg_transfer(backend, factorization, request, start_service):
+    url = request.getfixturevalue(backend)
+    federation = small_federation(model="mnist-cnn", factorization=factorization, tiers=[1.0])
+    service = start_service(url, federation, poll_interval_seconds=0.05)
+    cut, whole = (register(service.stub, 1.0, d) for d in shards(2))
+    assert [c.task().WhichOneof("kind") for c in (cut, whole)] == ["train", "train"]  # round 1: fetches count to it
+    model_bytes = whole.fetch()  # the whole model of this federation, received
+    stream = cut.stub.FetchModel(pb.FetchRequest(), metadata=cut.auth)
+    first = next(stream)  # one message of several (1 MiB each), then the link is gone
+    stream.cancel()
+    assert first.chunks
+
+    def both_counted() -> bool:
+        service.coordinator.flush()  # what the ticker does every second
+        return {cut.client_id, whole.client_id} <= _fetches(url).keys()
+
+    assert wait_until(both_counted, 15), _fetches(url)
+    counted = _fetches(url)
+    assert counted[whole.client_id] == (model_bytes, MNIST_CNN_FP32_BYTES)
+    sent, equivalent = counted[cut.client_id]
+    assert 0 < sent < model_bytes  # the server stopped sending at the cut
+    assert equivalent == round(MNIST_CNN_FP32_BYTES * sent / model_bytes)
+    if factorization == "none":
+        assert equivalent == sent  # plain FedAvg reads 1.000 against itself, cut or not
