@@ -15,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from aggregator_service.database_url import DatabaseURL
@@ -42,6 +42,7 @@ __all__ = [
     "DEMO_ENROLLMENT_SECRET",
     "AggregatorSettings",
     "FederationConfig",
+    "FederationName",
     "StoreTarget",
     "inert_keys",
     "nested_rank_ratio_for",
@@ -441,6 +442,23 @@ def stored_spec(stored: Mapping[str, Any]) -> ModelSpec:
 # --------------------------------------------------------------------------- the aggregator service
 
 
+#: the longest federation name the store keeps (``federations.name``)
+FEDERATION_NAME_MAX = 128
+
+
+def check_federation_name(value: str) -> str:
+    """A federation name the store can key: not blank, at most :data:`FEDERATION_NAME_MAX` characters."""
+    if not value.strip():
+        raise ValueError("federation_name must not be empty")
+    if len(value) > FEDERATION_NAME_MAX:
+        raise ValueError(f"federation_name is {len(value)} characters; the store keeps at most {FEDERATION_NAME_MAX}")
+    return value
+
+
+#: ``federation_name`` in every settings class that names one
+FederationName = Annotated[str, AfterValidator(check_federation_name)]
+
+
 class AggregatorSettings(TomlSettings):
     """How one aggregator process runs: where it listens, its database, security, round timing and the method.
 
@@ -454,7 +472,7 @@ class AggregatorSettings(TomlSettings):
 
     listen: str = "127.0.0.1:50051"
     database_url: DatabaseURL = "sqlite:///fedatoms.db"
-    federation_name: str = "default"
+    federation_name: FederationName = "default"
     #: Shared secret clients present to Register. The default is for local demos only: set your own.
     enrollment_secret: str = DEMO_ENROLLMENT_SECRET
     tls_cert: Path | None = None
@@ -625,4 +643,4 @@ class StoreTarget(TomlSettings):
     model_config = SettingsConfigDict(env_prefix="FEDATOMS_", env_nested_delimiter="__", extra="ignore")
 
     database_url: DatabaseURL = AggregatorSettings.model_fields["database_url"].default
-    federation_name: str = AggregatorSettings.model_fields["federation_name"].default
+    federation_name: FederationName = AggregatorSettings.model_fields["federation_name"].default

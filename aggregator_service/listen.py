@@ -18,6 +18,8 @@ def split_listen(listen: str) -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"listen must be HOST:PORT (e.g. 127.0.0.1:50051 or [::]:50051), got {listen!r}")
+    if int(port) > 65535:
+        raise ValueError(f"listen's port must be 0–65535 (0: any free port), got {listen!r}")
     return host.strip("[]"), int(port)
 
 

@@ -11,22 +11,25 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request, Response, status
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import Engine
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import SQLAlchemyError
 
 from aggregator_service import store
 
 from . import queries
-from .deps import DashboardState, ReadAccess, StateDep
+from .deps import DashboardState, KnownParameters, ReadAccess, StateDep
 from .metrics import build_registry
 from .routes import ROUTERS
 from .schemas import Health, Readiness
@@ -36,17 +39,34 @@ __all__ = ["create_app", "create_engine"]
 
 log = logging.getLogger(__name__)
 API_PREFIX = "/api/v1"
+#: the most of a rejected value a 422 quotes back
+ECHOED = 200
+#: probes and uptime checks (``curl -I``, load balancers) may ask with HEAD
+PROBED = ["GET", "HEAD"]
 STATIC = files("dashboard_api") / "static"
 SWAGGER_UI_URL = "/static/vendor/swagger-ui"  # Swagger UI, vendored (README.md there): /docs works offline
 
 
 def create_engine(database_url: str) -> Engine:
-    """A read-mostly engine: SQLite transactions start DEFERRED so reads never queue behind the aggregator."""
+    """A read-mostly engine: SQLite transactions start DEFERRED so reads never queue behind the aggregator. A SQLite
+    file is opened only if it exists (``mode=rw``): the aggregator creates and migrates it, and a mistyped path
+    would otherwise leave an empty database behind."""
     url = make_url(database_url)
     kwargs: dict[str, Any] = {}
     if not (url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")):
         kwargs.update(pool_size=10, max_overflow=40, pool_timeout=10)
+    path = sqlite_file(url)
+    if path is not None:
+        url = url.set(database=f"file:{path}", query={**url.query, "mode": "rw", "uri": "true"})
     return store.create_engine_for(url, sqlite_begin="DEFERRED", **kwargs)
+
+
+def sqlite_file(url: str | URL) -> Path | None:
+    """The file a SQLite URL names, absolute (``None``: another backend, memory, or already a URI filename)."""
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:") or u.query.get("uri"):
+        return None
+    return Path(u.database).resolve()  # type: ignore[arg-type]  # a str here
 
 
 def _openapi(app: FastAPI, *, reads_open: bool) -> dict[str, Any]:
@@ -54,9 +74,9 @@ def _openapi(app: FastAPI, *, reads_open: bool) -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         for methods in schema.get("paths", {}).values():
-            read = methods.get("get", {})
-            if reads_open and "security" in read:
-                read["security"] = [{}, *read["security"]]  # {}: the bearer token is optional
+            for read in (methods.get("get", {}), methods.get("head", {})):
+                if reads_open and "security" in read:
+                    read["security"] = [{}, *read["security"]]  # {}: the bearer token is optional
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -87,26 +107,46 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
     app.state.dashboard = state
     app.openapi = lambda: _openapi(app, reads_open=settings.read_token is None)  # type: ignore[method-assign]
     for router in ROUTERS:
-        app.include_router(router, prefix=API_PREFIX)
+        app.include_router(router, prefix=API_PREFIX, dependencies=[KnownParameters])
+
+    database_file = sqlite_file(settings.database_url)
+
+    def unavailable(exc: SQLAlchemyError) -> str:
+        if database_file is not None and not database_file.exists():
+            return (
+                f"the database file {database_file} does not exist: start the aggregator (fedatoms aggregator serve) "
+                "with this database_url, which creates and migrates it, or correct database_url"
+            )
+        return (
+            f"the database is unavailable or not migrated ({type(exc).__name__}); check database_url "
+            "and that the aggregator has started (it migrates the schema)"
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's 422, with each offending input cut to :data:`ECHOED` characters: a 100,000-character value
+        came back whole."""
+        errors = [
+            {**e, "input": e["input"][:ECHOED] + "…"}
+            if isinstance(e.get("input"), str) and len(e["input"]) > ECHOED
+            else e
+            for e in exc.errors()
+        ]
+        return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
 
     @app.exception_handler(SQLAlchemyError)
     async def database_unavailable(_request: Request, exc: SQLAlchemyError) -> JSONResponse:
         log.warning("database error: %s", exc)
-        return JSONResponse(
-            {
-                "detail": f"the database is unavailable or not migrated ({type(exc).__name__}); check database_url "
-                "and that the aggregator has started (it migrates the schema)"
-            },
-            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
-        )
+        return JSONResponse({"detail": unavailable(exc)}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
 
-    @app.get("/healthz", response_model=Health, tags=["health"])
+    @app.api_route("/healthz", methods=PROBED, response_model=Health, tags=["health"])
     def healthz() -> dict[str, str]:
         """The process serves requests (liveness)."""
         return {"status": "ok"}
 
-    @app.get(
+    @app.api_route(
         "/readyz",
+        methods=PROBED,
         response_model=Readiness,
         tags=["health"],
         responses={503: {"model": Readiness, "description": "the database is unreachable or not migrated"}},
@@ -119,13 +159,14 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
                 queries.database_ok(session)
         except SQLAlchemyError as exc:
             response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-            return {"status": "unavailable", "database": backend, "detail": type(exc).__name__}
+            return {"status": "unavailable", "database": backend, "detail": unavailable(exc)}
         return {"status": "ready", "database": backend}
 
-    @app.get(
+    @app.api_route(
         "/metrics",
+        methods=PROBED,
         tags=["metrics"],
-        dependencies=[ReadAccess],
+        dependencies=[ReadAccess, KnownParameters],
         response_class=Response,
         responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}},
     )
@@ -137,7 +178,7 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
         (STATIC / "index.html").read_text().replace("{{POLL_MS}}", html.escape(str(int(settings.poll_seconds * 1000))))
     )
 
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    @app.api_route("/", methods=PROBED, response_class=HTMLResponse, include_in_schema=False)
     def index() -> HTMLResponse:
         return HTMLResponse(page)
 

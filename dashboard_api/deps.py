@@ -9,6 +9,8 @@ from datetime import datetime, timedelta
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 from sqlalchemy import Engine
@@ -18,7 +20,7 @@ from aggregator_service import store
 
 from .settings import DashboardSettings
 
-__all__ = ["AdminAccess", "DashboardState", "FederationRow", "ReadAccess", "SessionDep", "StateDep"]
+__all__ = ["AdminAccess", "DashboardState", "FederationRow", "KnownParameters", "ReadAccess", "SessionDep", "StateDep"]
 
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <token>` (see docs/dashboard.md)")
 _REALM = 'Bearer realm="fedatoms-dashboard"'
@@ -34,6 +36,42 @@ class DashboardState:
 
     def online_since(self) -> datetime:
         return store.utcnow() - timedelta(seconds=self.settings.heartbeat_timeout_seconds)
+
+
+def only_known_parameters(request: Request) -> None:
+    """422 for a query parameter the endpoint does not take, or one given twice: FastAPI would ignore the first and
+    let the last win, so a typo (``limt``) or a parameter of another endpoint (``offset`` on ``/intervals``) would
+    answer as if it were not there."""
+    route = request.scope.get("route")
+    if not isinstance(route, APIRoute):
+        return
+    takes = _query_names(route.dependant)
+    given = request.query_params
+    unknown = sorted(set(given) - takes)
+    if unknown:
+        what = ", ".join(sorted(takes)) if takes else "none"
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_CONTENT,
+            f"unknown query parameter {', '.join(repr(k[:64]) for k in unknown[:5])}: {request.url.path} takes {what}",
+        )
+    repeated = sorted(k for k in set(given) if len(given.getlist(k)) > 1)
+    if repeated:
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_CONTENT,
+            f"query parameter {', '.join(repr(k[:64]) for k in repeated[:5])} given more than once",
+        )
+
+
+def _query_names(dependant: Dependant) -> set[str]:
+    """The query parameters a route takes, its dependencies' included."""
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+#: on every API route and /metrics
+KnownParameters = Depends(only_known_parameters)
 
 
 def get_state(request: Request) -> DashboardState:

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from aggregator_service.config import FederationName
 from aggregator_service.database_url import DatabaseURL
 from aggregator_service.listen import split_listen
 from aggregator_service.toml_settings import TomlSettings
@@ -36,7 +37,7 @@ class DashboardSettings(TomlSettings):
 
     listen: str = "127.0.0.1:8080"
     database_url: DatabaseURL = Field(default="sqlite:///fedatoms.db", validation_alias=_env("database_url"))
-    federation_name: str = Field(default="default", validation_alias=_env("federation_name"))
+    federation_name: FederationName = Field(default="default", validation_alias=_env("federation_name"))
     #: A client counts as online while its last call is fresher than this (the aggregator's setting).
     heartbeat_timeout_seconds: float = Field(default=60.0, gt=0.0, validation_alias=_env("heartbeat_timeout_seconds"))
     #: Bearer token for pause, resume and revoke; unset: those endpoints answer 503.

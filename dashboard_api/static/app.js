@@ -22,7 +22,11 @@
     polls: 0,
   };
   const charts = {};
-  const dashboard = { series: {}, polls: 0, lastError: null };
+  // saving_ratio is FedAvg-equivalent ÷ moved: above 1 the federation moved fewer bytes than FedAvg would have
+  function versusFedAvg(ratio) {
+    return ratio >= 1 ? `${ratio.toFixed(2)}× fewer` : `${(1 / ratio).toFixed(2)}× more`;
+  }
+  const dashboard = { series: {}, polls: 0, lastError: null, versusFedAvg };
   window.fedatomsDashboard = dashboard;
 
   // ---------------------------------------------------------------- access
@@ -301,7 +305,7 @@
     const last = [...state.rounds.values()].filter((r) => r.test_accuracy != null).sort((a, b) => b.number - a.number)[0];
     $("stat-accuracy").textContent = last ? pct(last.test_accuracy) : "–";
     $("stat-saving").textContent = totals && totals.saving_ratio != null
-      ? `${bytes(totals.bytes_down + totals.bytes_up)} (${totals.saving_ratio.toFixed(2)}× less)` : "–";
+      ? `${bytes(totals.bytes_down + totals.bytes_up)} (${versusFedAvg(totals.saving_ratio)})` : "–";
     const c = fed.config || {};
     $("stat-method").textContent = [c.model, c.factorization, c.strategy, c.interval_policy].filter(Boolean).join(" · ");
   }

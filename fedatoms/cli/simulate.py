@@ -275,7 +275,10 @@ def print_summary(results: dict[str, Any]) -> None:
             "(what that tier's clients run)"
         )
     if s.get("final_local_accuracy") is not None:
-        print(f"  global model on clients' local tests {s['final_local_accuracy']:.4f} (final round's cohort)")
+        print(
+            f"  global model on clients' local tests {s['final_local_accuracy']:.4f} (final round's cohort, each "
+            "client counted once; the dashboard's mean client accuracy weights them by samples)"
+        )
     personal = s.get("final_personalized_accuracy")
     if personal is not None:
         last5 = s.get("mean_personalized_accuracy_last5")
@@ -288,7 +291,7 @@ def print_summary(results: dict[str, Any]) -> None:
     ratio = s["bytes_ratio_vs_fedavg"]
     print(
         f"  bytes moved            {s['bytes_total'] / 1e6:.2f} MB vs FedAvg-equivalent "
-        f"{s['fedavg_equivalent_bytes'] / 1e6:.2f} MB ({ratio:.3f}×)"
+        f"{s['fedavg_equivalent_bytes'] / 1e6:.2f} MB (moved ÷ FedAvg-equivalent = {ratio:.3f}×)"
     )
     print(f"  wall time              {s['wall_seconds']:.1f} s")
 

@@ -153,7 +153,7 @@ def test_every_surface_reports_the_same_bytes(tmp_path: Path, capsys) -> None:
     assert {k: totals[k] for k in expected} == expected
     assert totals["rounds"] == ATOMS["rounds"]
     assert totals["saving_ratio"] == pytest.approx(expected["fedavg_equivalent_bytes"] / moved, rel=1e-12)
-    header = totals["bytes_down"] + totals["bytes_up"]  # app.js: bytes(down + up), saving_ratio× less
+    header = totals["bytes_down"] + totals["bytes_up"]  # app.js: bytes(down + up), saving_ratio× fewer
     assert header == moved
     rows = body["rounds"]["items"]
     assert [(r["round"], r["bytes_down"], r["bytes_up"], r["fedavg_equivalent_bytes"]) for r in rows] == [
@@ -173,7 +173,9 @@ def test_every_surface_reports_the_same_bytes(tmp_path: Path, capsys) -> None:
     # the CLI's summary line
     print_summary(results)
     line = next(li for li in capsys.readouterr().out.splitlines() if "bytes moved" in li)
-    shown = re.search(r"bytes moved\s+([\d.]+) MB vs FedAvg-equivalent ([\d.]+) MB \(([\d.]+)×\)", line)
+    shown = re.search(
+        r"bytes moved\s+([\d.]+) MB vs FedAvg-equivalent ([\d.]+) MB \(moved ÷ FedAvg-equivalent = ([\d.]+)×\)", line
+    )
     assert shown is not None, line
     assert shown.groups() == (
         f"{moved / 1e6:.2f}",

@@ -148,6 +148,36 @@ def test_bad_parameters_are_422_naming_the_parameter(api: httpx.Client, path: st
     assert any(err["loc"][-1] == param for err in r.json()["detail"]), r.json()
 
 
+@pytest.mark.parametrize(
+    ("path", "said"),
+    [
+        # a parameter of another endpoint: /intervals has no offset, so paging with it gave the same page forever
+        ("/intervals?offset=5", "unknown query parameter 'offset': /api/v1/intervals takes after, limit, tensor"),
+        ("/rounds?limt=5", "unknown query parameter 'limt'"),
+        ("/bandwidth?state=closed", "unknown query parameter 'state'"),
+        ("/federation?verbose=1", "/api/v1/federation takes none"),
+        ("/rounds?limit=1&limit=2", "query parameter 'limit' given more than once"),  # the last one used to win
+    ],
+)
+def test_a_parameter_the_endpoint_does_not_take_or_given_twice_is_422(api: httpx.Client, path: str, said: str) -> None:
+    r = api.get(path)
+    assert r.status_code == 422 and said in r.json()["detail"], r.text
+
+
+def test_a_huge_bad_value_is_not_quoted_back_whole(api: httpx.Client) -> None:
+    r = api.get("/rounds", params={"limit": "A" * 20_000})
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["query", "limit"]
+    assert len(r.content) < 2_000  # the whole value came back
+
+
+def test_probes_answer_head(dashboard) -> None:
+    """``curl -I``, load balancers and uptime checks probe with HEAD: 405 before."""
+    for path in ("/healthz", "/readyz", "/metrics", "/"):
+        r = httpx.head(f"{dashboard.base_url}{path}")
+        assert r.status_code == 200 and r.content == b"", path
+    assert httpx.get(f"{dashboard.base_url}/metrics?junk=1").status_code == 422
+
+
 def test_clients_and_filters(api: httpx.Client, federation: Federation) -> None:
     page = api.get("/clients").json()
     assert page["total"] == 4

@@ -84,6 +84,11 @@ def test_page_plots_the_rounds_without_console_errors(
             assert page.locator("#clients-table tbody tr").count() == 4
             assert page.locator("#rounds-table tbody tr").count() == 4
             assert page.locator("#fed-state").inner_text() == "running"
+            ratio = api.get("/bandwidth").json()["totals"]["saving_ratio"]
+            assert ratio > 1 and page.locator("#stat-saving").inner_text().endswith(f"({ratio:.2f}× fewer)")
+            # a federation that moved more than FedAvg would have (fp32 atoms at tier 1, say) reads so
+            assert page.evaluate("window.fedatomsDashboard.versusFedAvg(0.5)") == "2.00× more"
+            assert page.evaluate("window.fedatomsDashboard.versusFedAvg(0.99893)") == "1.00× more"
             assert "dev-1" in page.locator("#clients-table").inner_text()
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
         finally:

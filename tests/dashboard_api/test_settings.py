@@ -58,3 +58,47 @@ def test_a_dashboard_key_that_is_not_a_table_is_refused(tmp_path: Path) -> None:
     path.write_text("dashboard = 3\n")
     with pytest.raises(ValueError, match=r"\[dashboard\] must be a table"):
         DashboardSettings.from_toml(path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("federation_name", "", "federation_name must not be empty"),
+        ("federation_name", "  ", "federation_name must not be empty"),
+        ("federation_name", "n" * 129, "federation_name is 129 characters; the store keeps at most 128"),
+        ("listen", "127.0.0.1:99999", "listen's port must be 0–65535"),
+    ],
+)
+def test_a_name_or_port_the_store_or_the_socket_cannot_take_is_refused(key: str, value: str, said: str) -> None:
+    """An empty federation name, one longer than ``federations.name`` holds (PostgreSQL raised at the insert), and
+    a port past 65535 (uvicorn's bind raised ``OverflowError``) are refused in the settings, as the aggregator's
+    are."""
+    from aggregator_service.config import AggregatorSettings, StoreTarget
+
+    for settings in (DashboardSettings, AggregatorSettings, *((StoreTarget,) if key == "federation_name" else ())):
+        with pytest.raises(ValueError, match=said):
+            settings(**{key: value})
+    assert DashboardSettings(federation_name="n" * 128).federation_name == "n" * 128
+
+
+def test_a_missing_sqlite_file_is_named_and_not_created(tmp_path: Path) -> None:
+    """A mistyped path used to leave an empty WAL database behind (and its -shm, -wal files) and answer a generic
+    503. The dashboard opens only a file that exists, and says which is missing; once the aggregator creates it,
+    the same dashboard serves it."""
+    import httpx
+    from dashboard_helpers import start_dashboard
+
+    from aggregator_service import store
+
+    path = tmp_path / "typo.db"
+    live = start_dashboard(DashboardSettings(database_url=f"sqlite:///{path}"))
+    try:
+        ready = httpx.get(f"{live.base_url}/readyz")
+        assert ready.status_code == 503 and f"the database file {path} does not exist" in ready.json()["detail"]
+        api = httpx.get(f"{live.base_url}/api/v1/federation")
+        assert api.status_code == 503 and f"the database file {path} does not exist" in api.json()["detail"]
+        assert list(tmp_path.iterdir()) == []  # nothing created
+        store.upgrade(f"sqlite:///{path}")  # what the aggregator does at its first start
+        assert httpx.get(f"{live.base_url}/readyz").status_code == 200
+    finally:
+        live.stop()
