@@ -64,6 +64,13 @@ class FederationCollector(Collector):
             return
         up.add_metric([], 1)
         yield up
+        found = GaugeMetricFamily(
+            "fedatoms_federation_found",
+            "1 when the database holds the federation the dashboard is configured for (federation_name); 0: a "
+            "wrong name, or the aggregator has not created it yet",
+        )
+        found.add_metric([], 0 if fed is None else 1)
+        yield found
         if snap is not None:
             yield from _families(snap)
 

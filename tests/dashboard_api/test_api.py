@@ -10,11 +10,12 @@ import math
 
 import httpx
 import pytest
-from dashboard_helpers import ROUNDS_CLOSED, Federation
+from dashboard_helpers import ROUNDS_CLOSED, Federation, start_dashboard
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, select
 
 from aggregator_service import store
+from dashboard_api.settings import DashboardSettings
 
 
 def test_federation_summary(api: httpx.Client, federation: Federation) -> None:
@@ -280,6 +281,7 @@ def test_prometheus_metrics(dashboard, federation: Federation) -> None:
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     m = _metrics(r.text)
     assert m["fedatoms_database_up"] == 1 and m["fedatoms_current_round"] == 4
+    assert m["fedatoms_federation_found"] == 1
     assert m["fedatoms_clients_online"] == 4 and m["fedatoms_clients_registered"] == 4
     assert m["fedatoms_federation_state{state=running}"] == 1 and m["fedatoms_rounds{state=closed}"] == 3
     assert m["fedatoms_round_duration_seconds_count"] == ROUNDS_CLOSED
@@ -307,6 +309,19 @@ def test_prometheus_metrics(dashboard, federation: Federation) -> None:
         else:
             assert math.isclose(m[f"fedatoms_tensor_dispersion{{{labels}}}"], t.dispersion, rel_tol=1e-9)
     assert any(t.dispersion is None for t in tensors) and any(t.dispersion is not None for t in tensors)
+
+
+def test_a_wrong_federation_name_shows_in_metrics(federation: Federation) -> None:
+    """REST answers 404 for a federation the database does not hold; /metrics showed only ``database_up 1``, so an
+    alert on it could not see a mistyped federation_name."""
+    live = start_dashboard(DashboardSettings(database_url=federation.url, federation_name="nosuch"))
+    try:
+        m = _metrics(httpx.get(f"{live.base_url}/metrics").text)
+        assert httpx.get(f"{live.base_url}/api/v1/federation").status_code == 404
+    finally:
+        live.stop()
+    assert m["fedatoms_database_up"] == 1 and m["fedatoms_federation_found"] == 0
+    assert "fedatoms_current_round" not in m
 
 
 def test_health_and_readiness(dashboard) -> None:
