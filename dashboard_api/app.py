@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aggregator_service import store
 
@@ -41,8 +42,8 @@ log = logging.getLogger(__name__)
 API_PREFIX = "/api/v1"
 #: the most of a rejected value a 422 quotes back
 ECHOED = 200
-#: probes and uptime checks (``curl -I``, load balancers) may ask with HEAD
-PROBED = ["GET", "HEAD"]
+#: paths that probes and uptime checks (``curl -I``, load balancers) may ask with HEAD
+PROBED = frozenset({"/healthz", "/readyz", "/metrics", "/"})
 STATIC = files("dashboard_api") / "static"
 SWAGGER_UI_URL = "/static/vendor/swagger-ui"  # Swagger UI, vendored (README.md there): /docs works offline
 
@@ -74,11 +75,24 @@ def _openapi(app: FastAPI, *, reads_open: bool) -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         for methods in schema.get("paths", {}).values():
-            for read in (methods.get("get", {}), methods.get("head", {})):
-                if reads_open and "security" in read:
-                    read["security"] = [{}, *read["security"]]  # {}: the bearer token is optional
+            read = methods.get("get", {})
+            if reads_open and "security" in read:
+                read["security"] = [{}, *read["security"]]  # {}: the bearer token is optional
         app.openapi_schema = schema
     return app.openapi_schema
+
+
+class HeadAsGet:
+    """HEAD on a :data:`PROBED` path is answered as GET (the server sends no body for HEAD): routes declared once,
+    for GET, so the OpenAPI schema keeps one operation each."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD" and scope["path"] in PROBED:
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)
 
 
 def create_app(settings: DashboardSettings | None = None, *, engine: Engine | None = None) -> FastAPI:
@@ -105,6 +119,7 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
         redoc_url=None,
     )
     app.state.dashboard = state
+    app.add_middleware(HeadAsGet)
     app.openapi = lambda: _openapi(app, reads_open=settings.read_token is None)  # type: ignore[method-assign]
     for router in ROUTERS:
         app.include_router(router, prefix=API_PREFIX, dependencies=[KnownParameters])
@@ -139,14 +154,13 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
         log.warning("database error: %s", exc)
         return JSONResponse({"detail": unavailable(exc)}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
 
-    @app.api_route("/healthz", methods=PROBED, response_model=Health, tags=["health"])
+    @app.get("/healthz", response_model=Health, tags=["health"])
     def healthz() -> dict[str, str]:
         """The process serves requests (liveness)."""
         return {"status": "ok"}
 
-    @app.api_route(
+    @app.get(
         "/readyz",
-        methods=PROBED,
         response_model=Readiness,
         tags=["health"],
         responses={503: {"model": Readiness, "description": "the database is unreachable or not migrated"}},
@@ -162,9 +176,8 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
             return {"status": "unavailable", "database": backend, "detail": unavailable(exc)}
         return {"status": "ready", "database": backend}
 
-    @app.api_route(
+    @app.get(
         "/metrics",
-        methods=PROBED,
         tags=["metrics"],
         dependencies=[ReadAccess, KnownParameters],
         response_class=Response,
@@ -178,7 +191,7 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
         (STATIC / "index.html").read_text().replace("{{POLL_MS}}", html.escape(str(int(settings.poll_seconds * 1000))))
     )
 
-    @app.api_route("/", methods=PROBED, response_class=HTMLResponse, include_in_schema=False)
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def index() -> HTMLResponse:
         return HTMLResponse(page)
 

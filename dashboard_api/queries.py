@@ -392,7 +392,7 @@ def intervals(session: Session, fed_id: int, after: int | None, limit: int, name
         globals_q = globals_q.where(g.name == name)
     current = session.execute(globals_q).all()
     history: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    placement: dict[str, tuple[int, str | None]] = {}
+    placement: dict[str, tuple[int | None, str | None]] = {}
     if rounds and current:
         hq = select(tm.name, tm.round, tm.interval, tm.d_l, tm.dispersion, tm.ordinal, tm.role).where(
             tm.federation_id == fed_id, tm.round >= rounds[0], tm.round <= rounds[-1]
@@ -419,15 +419,15 @@ def intervals(session: Session, fed_id: int, after: int | None, limit: int, name
     tensors = [
         {
             "name": c.name,
-            "ordinal": placement.get(c.name, (1_000_000, None))[0],
-            "role": placement.get(c.name, (0, None))[1],
+            "ordinal": placement.get(c.name, (None, None))[0],
+            "role": placement.get(c.name, (None, None))[1],
             "interval": c.interval,
             "version": c.version,
             "history": history.get(c.name, []),
         }
         for c in current
     ]
-    tensors.sort(key=lambda t: (t["ordinal"], t["name"]))
+    tensors.sort(key=lambda t: (t["ordinal"] is None, t["ordinal"] or 0, t["name"]))  # unplaced last, by name
     return {"rounds": rounds, "tensors": tensors}
 
 

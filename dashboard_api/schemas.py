@@ -193,7 +193,10 @@ class IntervalPoint(BaseModel):
 
 class TensorIntervals(BaseModel):
     name: str
-    ordinal: int
+    ordinal: int | None = Field(
+        description="the tensor's position in the model; null (and role with it) until a round has closed and "
+        "recorded it: the list is then in name order"
+    )
     role: str | None
     interval: int = Field(description="τ_l in force from the next round")
     version: int = Field(description="the round that last aggregated this tensor")

@@ -211,7 +211,8 @@
   }
 
   function sortedTensors() {
-    return [...state.tensors.values()].sort((a, b) => a.ordinal - b.ordinal || a.name.localeCompare(b.name));
+    const at = (t) => (t.ordinal == null ? Infinity : t.ordinal); // unplaced (no round closed yet): last, by name
+    return [...state.tensors.values()].sort((a, b) => at(a) - at(b) || a.name.localeCompare(b.name));
   }
 
   function drawTensors() {

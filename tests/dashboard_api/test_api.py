@@ -311,6 +311,24 @@ def test_prometheus_metrics(dashboard, federation: Federation) -> None:
     assert any(t.dispersion is None for t in tensors) and any(t.dispersion is not None for t in tensors)
 
 
+def test_intervals_before_any_round_closed_are_in_name_order_with_no_placement(tmp_path) -> None:
+    """No round has recorded the tensors' order yet: ordinal and role are null (an internal 1,000,000 and a null
+    role were shown), and the tensors come in name order."""
+    from support import serve_aggregator
+
+    url = f"sqlite:///{tmp_path / 'fresh.db'}"
+    _, server, _ = serve_aggregator(url)  # creates the federation; no client, no round
+    live = start_dashboard(DashboardSettings(database_url=url))
+    try:
+        body = httpx.get(f"{live.base_url}/api/v1/intervals").json()
+    finally:
+        live.stop()
+        server.stop(grace=None)
+    names = [t["name"] for t in body["tensors"]]
+    assert body["rounds"] == [] and names and names == sorted(names)
+    assert all(t["ordinal"] is None and t["role"] is None and t["history"] == [] for t in body["tensors"])
+
+
 def test_a_wrong_federation_name_shows_in_metrics(federation: Federation) -> None:
     """REST answers 404 for a federation the database does not hold; /metrics showed only ``database_up 1``, so an
     alert on it could not see a mistyped federation_name."""
