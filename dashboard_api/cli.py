@@ -38,6 +38,8 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 
 def serve(args: argparse.Namespace) -> int:
+    import socket
+
     import uvicorn
     from pydantic import ValidationError
 
@@ -50,10 +52,21 @@ def serve(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise ValueError(f"invalid dashboard settings: {explain(exc)}") from exc
     host, port = settings.host_port
-    print(f"fedatoms dashboard: http://{host}:{port}/ over {_redacted(settings.database_url)}", flush=True)
+    # bound here, so the banner names the port port 0 got; a port taken or refused is one line
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {settings.listen}: {exc.strerror or exc}") from exc
+    port = sock.getsockname()[1]
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    print(f"fedatoms dashboard: http://{shown}:{port}/ over {_redacted(settings.database_url)}", flush=True)
     if settings.admin_token is None:
         print("admin endpoints disabled (no admin_token): pause, resume and revoke answer 503", flush=True)
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
+    uvicorn.Server(uvicorn.Config(create_app(settings), log_level="info")).run(sockets=[sock])
     return 0
 
 

@@ -102,3 +102,34 @@ def test_a_missing_sqlite_file_is_named_and_not_created(tmp_path: Path) -> None:
         assert httpx.get(f"{live.base_url}/readyz").status_code == 200
     finally:
         live.stop()
+
+
+def test_serve_on_port_0_names_the_port_it_got_and_a_taken_port_is_one_line(tmp_path: Path) -> None:
+    """The banner printed ``http://127.0.0.1:0/`` (uvicorn's own line alone had the port)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    import httpx
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "fedatoms", "dashboard", "serve", "--database-url", f"sqlite:///{tmp_path / 'd.db'}"]
+    proc = subprocess.Popen([*cmd, "--listen", "127.0.0.1:0"], cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline()  # printed before serving, flushed
+        found = re.match(r"fedatoms dashboard: http://127\.0\.0\.1:(\d+)/ over ", banner)
+        assert found is not None and int(found.group(1)) > 0, banner
+        port = int(found.group(1))
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=30).json() == {"status": "ok"}
+        taken = subprocess.run(
+            [*cmd, "--listen", f"127.0.0.1:{port}"], cwd=root, env=env, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    lines = taken.stderr.strip().splitlines()
+    assert taken.returncode == 2 and len(lines) == 1, taken.stderr
+    assert lines[0].startswith("fedatoms: error: cannot listen on 127.0.0.1:") and "in use" in lines[0], lines
