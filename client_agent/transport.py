@@ -349,6 +349,8 @@ class AggregatorClient:
                 if code not in RETRYABLE or (limit is not None and elapsed >= limit):
                     raise
                 delay = self.backoff.delay(attempt)
+                if limit is not None:  # the last wait ends at the deadline, for one last attempt there
+                    delay = min(delay, limit - elapsed)
                 log.warning(
                     "event=rpc_retry rpc=%s code=%s attempt=%d delay=%.2f detail=%s",
                     what,

@@ -111,7 +111,7 @@ def add_parser(sub: Any) -> None:
 
     revoke = agg_sub.add_parser("revoke", help="revoke a client's token (works while the server runs)")
     revoke.add_argument("client", help="client id, as shown in the server log and the dashboard")
-    revoke.add_argument("--config", type=Path, help="the server's TOML file (only its database_url)")
+    revoke.add_argument("--config", type=Path, help="the server's TOML file (only its database_url, federation_name)")
     revoke.add_argument("--database-url", help=DB_HELP)
     revoke.set_defaults(func=cmd_aggregator_revoke)
 
@@ -120,7 +120,7 @@ def add_parser(sub: Any) -> None:
     )
     rebind.add_argument("client", help="client id, as shown in the server log and the dashboard")
     rebind.add_argument("--client-cert", type=Path, required=True, help="the client's new certificate (PEM)")
-    rebind.add_argument("--config", type=Path, help="the server's TOML file (only its database_url)")
+    rebind.add_argument("--config", type=Path, help="the server's TOML file (only its database_url, federation_name)")
     rebind.add_argument("--database-url", help=DB_HELP)
     rebind.set_defaults(func=cmd_aggregator_rebind)
 

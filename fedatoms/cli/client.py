@@ -85,6 +85,10 @@ def _local_data(args: argparse.Namespace) -> tuple[Any, Any]:
     from fedcore.datasource import describe, open_data
 
     kind = describe(args.data)
+    if args.download and kind == "bundled":  # fetched once into --data-dir; read below as any local copy
+        from fedcore.data import load_dataset
+
+        load_dataset(args.data, args.data_dir, download=True)
     if args.partition_index is None:
         if kind == "bundled":
             raise ValueError(f"--data {args.data} is a benchmark dataset: give --partition-index (this device's shard)")
@@ -164,6 +168,9 @@ def add_parser(sub: Any) -> None:
         "Datasets, or a benchmark: digits (bundled), mnist, fashion-mnist, cifar10, cifar100 [digits]",
     )
     run.add_argument("--data-dir", help="where torchvision datasets live")
+    run.add_argument(
+        "--download", action="store_true", help="fetch a torchvision benchmark into --data-dir if it is not there"
+    )
     run.add_argument(
         "--partition-index",
         type=int,

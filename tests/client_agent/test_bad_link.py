@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -263,6 +264,28 @@ def test_a_push_that_arrives_after_its_round_closed_leaves_the_clients_strategy_
         mean = (c_a[name] + c_b.get(name, torch.zeros_like(c_a[name]))) / 2
         torch.testing.assert_close(c, mean, rtol=1e-5, atol=1e-7)
     assert all(not bool(t.any()) for t in c_b.values())
+
+
+def test_the_wait_before_the_last_attempt_ends_at_give_up_after() -> None:
+    """Nothing listens; backoff waits of up to 30 s. ``give_up_after = 2``: the waits between attempts add up to 2 s
+    at most, and the call gives up then (a 5.7 s draw used to run past it: exit 4 came 9 s after the first failure)."""
+    import random
+
+    waits: list[float] = []
+    lost = AggregatorClient(
+        f"127.0.0.1:{free_port()}",
+        backoff=Backoff(base=30.0, cap=30.0, max_elapsed=2.0, rng=random.Random(0)),
+        sleep=lambda s: (waits.append(s), time.sleep(s)),
+    )
+    lost.token = "a token from an earlier run"
+    started = time.monotonic()
+    try:
+        with pytest.raises(grpc.RpcError):
+            lost.heartbeat()
+    finally:
+        lost.close()
+    assert waits and sum(waits) <= 2.0 + 1e-6
+    assert time.monotonic() - started < 2.0 + 5.0  # the deadline, and one last attempt's refusal
 
 
 def test_give_up_after_counts_from_the_first_failure_not_from_the_calls_start(tmp_path: Path) -> None:

@@ -172,6 +172,19 @@ def test_bad_data_is_refused_in_one_line_and_registers_nothing(
     assert _registered(aggregator.url) == 0
 
 
+def test_a_missing_benchmark_suggests_a_flag_client_run_takes(aggregator, tmp_path: Path, capsys) -> None:
+    """The refusal says "or allow downloading (--download …)": ``client run`` had no such flag."""
+    from fedatoms.cli import build_parser
+
+    argv = ["client", "run", "--server", aggregator.target, "--enrollment-secret", SECRET, "--data", "cifar10"]
+    argv += ["--data-dir", str(tmp_path), "--partition-index", "0", "--state-dir", str(tmp_path / "state")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "dataset 'cifar10' not found in" in err and "--download" in err and len(err.strip().splitlines()) == 1
+    assert build_parser().parse_args([*argv, "--download"]).download is True
+    assert _registered(aggregator.url) == 0
+
+
 def test_a_device_without_some_named_class_folders_is_refused(aggregator, tmp_path: Path, capsys) -> None:
     """Named folders are numbered in sorted order: a device holding only digit-3 and digit-7 would train them
     as classes 0 and 1. Numbered folders (0..9) keep their labels, so a subset of those is a device's right."""
