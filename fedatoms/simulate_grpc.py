@@ -100,6 +100,8 @@ def run_grpc_simulation(
     temporary = state_dir is None  # made here: removed at the end with what it holds (a run leaves ~80 MB)
     try:
         owned = None
+        pop = config.population()
+        clients = pop.build(fit=())  # a split the data cannot make fails here, before anything starts or is said
         if server is None:
             if database_url is None:
                 database_url = f"sqlite:///{root / 'aggregator.db'}"  # inside the root: kept or removed with it
@@ -123,7 +125,6 @@ def run_grpc_simulation(
         else:
             target = server
         say(f"client state: {root}")
-        pop = config.population()
         seen: set[int] = set()
         faults: dict[int, list[dict[str, Any]]] = {}
 
@@ -145,7 +146,7 @@ def run_grpc_simulation(
             ids = register_all(
                 target,
                 pop,
-                pop.build(fit=()),
+                clients,
                 enrollment_secret,
                 root,
                 tls_ca,
