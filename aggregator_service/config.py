@@ -15,14 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from aggregator_service.database_url import DatabaseURL
+from aggregator_service.federation_name import FederationName
 from aggregator_service.held_average import TIER_AVERAGES
-from aggregator_service.intervals import HOLD_COHORT, PROTECT, build_policy, warmup_for
+from aggregator_service.intervals import HOLD_COHORT, POLICIES, PROTECT, build_policy, warmup_for
 from aggregator_service.listen import is_loopback, split_listen
 from aggregator_service.refactorization import TIER_INITS
 from aggregator_service.rounds import CohortSampler, Federation
@@ -42,7 +43,6 @@ __all__ = [
     "DEMO_ENROLLMENT_SECRET",
     "AggregatorSettings",
     "FederationConfig",
-    "FederationName",
     "StoreTarget",
     "inert_keys",
     "nested_rank_ratio_for",
@@ -186,6 +186,8 @@ class FederationConfig:
             )
         if self.hold_cohort not in HOLD_COHORT:
             raise ValueError(f"hold_cohort must be one of {', '.join(HOLD_COHORT)}, got {self.hold_cohort!r}")
+        if self.interval_policy not in POLICIES:
+            raise ValueError(f"unknown interval policy {self.interval_policy!r}; choose one of {', '.join(POLICIES)}")
         defaults = {f.name: f.default for f in fields(FederationConfig)}
         for key, why in inert_keys(self.interval_policy, self.tiers).items():
             if getattr(self, key) != defaults[key]:
@@ -350,11 +352,14 @@ _TRAINING_KEYS = tuple(f.name for f in fields(FederationConfig) if f.name in {g.
 
 def parse_tiers(tiers: Any) -> list[float]:
     """A tiers key as TOML, a flag (``"1,0.5"``) or ``--set tiers=0.125`` give it: a list of floats."""
-    if isinstance(tiers, str):
-        return [float(t) for t in tiers.split(",") if t.strip()]
-    if isinstance(tiers, (int, float)):
-        return [float(tiers)]
-    return [float(t) for t in tiers]
+    items = tiers.split(",") if isinstance(tiers, str) else [tiers] if isinstance(tiers, (int, float)) else tiers
+    try:
+        parsed = [float(t) for t in items if not isinstance(t, str) or t.strip()]
+    except (TypeError, ValueError):
+        raise ValueError(f"tiers must be numbers among {', '.join(f'{t:g}' for t in TIERS)}, got {tiers!r}") from None
+    if not parsed:
+        raise ValueError(f"tiers must name at least one of {', '.join(f'{t:g}' for t in TIERS)}, got {tiers!r}")
+    return parsed
 
 
 #: the keys only one interval policy reads
@@ -440,23 +445,6 @@ def stored_spec(stored: Mapping[str, Any]) -> ModelSpec:
 
 
 # --------------------------------------------------------------------------- the aggregator service
-
-
-#: the longest federation name the store keeps (``federations.name``)
-FEDERATION_NAME_MAX = 128
-
-
-def check_federation_name(value: str) -> str:
-    """A federation name the store can key: not blank, at most :data:`FEDERATION_NAME_MAX` characters."""
-    if not value.strip():
-        raise ValueError("federation_name must not be empty")
-    if len(value) > FEDERATION_NAME_MAX:
-        raise ValueError(f"federation_name is {len(value)} characters; the store keeps at most {FEDERATION_NAME_MAX}")
-    return value
-
-
-#: ``federation_name`` in every settings class that names one
-FederationName = Annotated[str, AfterValidator(check_federation_name)]
 
 
 class AggregatorSettings(TomlSettings):

@@ -254,7 +254,8 @@ def fedavg_equivalent_bytes(spec: ModelSpec, transfers: int = 1) -> int:
 
     The one rule both the service's ledger and the in-process simulator apply: every transfer
     that happened (a fetch that moved at least one tensor — training or evaluation — or a
-    push) counts what plain FedAvg moves in its place, the whole unfactorized fp32 model. For
+    push) counts what plain FedAvg moves in its place, the whole unfactorized fp32 model (a fetch
+    cut midway: its share of it, :func:`fedavg_equivalent_of_part`). For
     plain FedAvg itself every such transfer moves exactly that, so its ratio is 1.000; a fetch
     that moves nothing counts nothing on either side.
     """
@@ -270,5 +271,7 @@ def fedavg_equivalent_of_part(spec: ModelSpec, sent: int, whole: int) -> int:
     plain FedAvg's equivalent is its bytes exactly, cut or not."""
     if not 0 <= sent <= whole:
         raise ValueError(f"sent must be in [0, whole = {whole}], got {sent}")
+    if sent == 0:
+        return 0  # no transfer
     unit = fedavg_transfer_bytes(spec)
     return unit if sent == whole else (2 * unit * sent + whole) // (2 * whole)

@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "momentum": args.momentum,
         "threads": 1,
     }
-    from dataclasses import fields
+    from dataclasses import MISSING, fields
 
     from aggregator_service.config import inert_keys, parse_tiers
     from fedatoms.simulate import SimulationConfig
@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--baseline {args.baseline}: {exc}")
     jobs = []
     read: set[str] = set()  # the --set keys some configuration reads
+    defaults = {f.name: f.default_factory() if f.default is MISSING else f.default for f in fields(SimulationConfig)}  # type: ignore[misc]
     for name in names:
         if name == "fedavg" and results:
             continue  # its runs are the baseline's
@@ -277,7 +278,11 @@ def main(argv: list[str] | None = None) -> int:
             keys["phi"] = args.stack_phi
         if name != "fedavg":  # plain FedAvg stays the papers' baseline whatever the rules under test
             merged = {**keys, **extra}
-            unread = inert_keys(merged.get("interval_policy", "every_round"), parse_tiers(merged.get("tiers", [1.0])))
+            try:
+                tiers = parse_tiers(merged.get("tiers", defaults["tiers"]))
+                unread = inert_keys(merged.get("interval_policy", defaults["interval_policy"]), tiers)
+            except ValueError as exc:
+                p.error(f"--set tiers: {exc}")
             keys.update({k: v for k, v in extra.items() if k not in unread})
             read.update(k for k in extra if k not in unread)
         for seed in seeds:

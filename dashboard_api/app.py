@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request, Response, status
 from fastapi.encoders import jsonable_encoder
@@ -58,7 +59,7 @@ def create_engine(database_url: str) -> Engine:
         kwargs.update(pool_size=10, max_overflow=40, pool_timeout=10)
     path = sqlite_file(url)
     if path is not None:
-        url = url.set(database=f"file:{path}", query={**url.query, "mode": "rw", "uri": "true"})
+        url = url.set(database=f"file:{quote(str(path))}", query={**url.query, "mode": "rw", "uri": "true"})
     return store.create_engine_for(url, sqlite_begin="DEFERRED", **kwargs)
 
 
@@ -126,11 +127,13 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
 
     database_file = sqlite_file(settings.database_url)
 
-    def unavailable(exc: SQLAlchemyError) -> str:
+    def unavailable(exc: SQLAlchemyError, *, where: bool = True) -> str:
+        """Why the database cannot be read; ``where``: name the file (not to the probes, which need no token)."""
         if database_file is not None and not database_file.exists():
+            named = f"the database file {database_file}" if where else "the database file"
             return (
-                f"the database file {database_file} does not exist: start the aggregator (fedatoms aggregator serve) "
-                "with this database_url, which creates and migrates it, or correct database_url"
+                f"{named} does not exist: start the aggregator (fedatoms aggregator serve) with this database_url, "
+                "which creates and migrates it, or correct database_url"
             )
         return (
             f"the database is unavailable or not migrated ({type(exc).__name__}); check database_url "
@@ -173,7 +176,7 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
                 queries.database_ok(session)
         except SQLAlchemyError as exc:
             response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-            return {"status": "unavailable", "database": backend, "detail": unavailable(exc)}
+            return {"status": "unavailable", "database": backend, "detail": unavailable(exc, where=False)}
         return {"status": "ready", "database": backend}
 
     @app.get(

@@ -61,6 +61,7 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         sock.close()
         raise ValueError(f"cannot listen on {settings.listen}: {exc.strerror or exc}") from exc
+    sock.listen(2048)  # connections wait from here: the banner's address answers once printed
     port = sock.getsockname()[1]
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"fedatoms dashboard: http://{shown}:{port}/ over {_redacted(settings.database_url)}", flush=True)

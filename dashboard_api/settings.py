@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from aggregator_service.config import FederationName
 from aggregator_service.database_url import DatabaseURL
+from aggregator_service.federation_name import FederationName
 from aggregator_service.listen import split_listen
 from aggregator_service.toml_settings import TomlSettings
 

@@ -154,6 +154,7 @@ def run_grpc_simulation(
                 allowed_models=allowed,
                 give_up_after=REACH_SECONDS if give_up_after is None else give_up_after,
             )
+            del clients  # the pools rebuild theirs from pop
             # how every pool runs the agents
             agents: dict[str, Any] = dict(
                 tls_ca=tls_ca,

@@ -113,6 +113,7 @@ def test_a_setting_fedavg_must_share_is_refused_in_set(
             "no configuration of fedavg,atoms,fedhm-1/8 reads it",
         ),
         (["--configs", "atoms-lowrank", "--set", "tiers=0.125", "--set", "tier_average=aligned"], "reads it"),
+        (["--configs", "atoms-lowrank", "--set", "tiers=1/8"], "tiers must be numbers"),
         (["--data", str(tmp_path)], "needs --model"),
     ):
         with pytest.raises(SystemExit) as exited:

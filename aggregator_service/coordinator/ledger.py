@@ -3,7 +3,8 @@
 Every byte the service moves is counted here, under its category (``train_fetch``,
 ``eval_fetch``, ``push``: :data:`aggregator_service.metrics.CATEGORIES`), with the transfer's
 FedAvg-equivalent (:func:`aggregator_service.metrics.fedavg_equivalent_bytes`, the rule the
-in-process simulator applies too); the ``transfers`` table it writes, and its per-round sums
+in-process simulator applies too; a fetch cut midway counts its share,
+:func:`aggregator_service.metrics.fedavg_equivalent_of_part`); the ``transfers`` table it writes, and its per-round sums
 ``round_bytes`` written with it, are what every surface reads.
 
 A fetch so costs no statements of its own for bandwidth: its count is written with a round's
@@ -82,7 +83,7 @@ class Ledger:
         SCAFFOLD's control, a fetch FedAvg would not make). Unset: all of it went out."""
         round_ = self.download_round(None) if round_ is None else round_
         sent, whole = (nbytes, nbytes) if model is None else model
-        equivalent = fedavg_equivalent_of_part(self.shared.federation.spec, sent, whole) if sent > 0 else 0
+        equivalent = fedavg_equivalent_of_part(self.shared.federation.spec, sent, whole)
         self.count(client, category, round_, nbytes, per_tensor, equivalent)
 
     def count(

@@ -48,6 +48,8 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
+from aggregator_service.federation_name import FEDERATION_NAME_MAX
+
 __all__ = [
     "FEDERATION_STATES",
     "NAMING_CONVENTION",
@@ -156,7 +158,7 @@ class Federation(Base):
     __table_args__ = (CheckConstraint(_in("state", FEDERATION_STATES), name="state"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    name: Mapped[str] = mapped_column(String(128), unique=True)
+    name: Mapped[str] = mapped_column(String(FEDERATION_NAME_MAX), unique=True)
     config: Mapped[dict[str, Any]] = mapped_column("config_json", JSONText)
     state: Mapped[str] = mapped_column(String(16), default="running")
     current_round: Mapped[int] = mapped_column(Integer, default=0)

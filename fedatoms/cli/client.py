@@ -85,7 +85,11 @@ def _local_data(args: argparse.Namespace) -> tuple[Any, Any]:
     from fedcore.datasource import describe, open_data
 
     kind = describe(args.data)
-    if args.download and kind == "bundled":  # fetched once into --data-dir; read below as any local copy
+    if args.download and kind != "bundled":
+        raise ValueError(f"--download fetches a benchmark (mnist, cifar10, …); --data {args.data} is not one")
+    if args.partition_index is not None and not 0 <= args.partition_index < args.num_partitions:
+        raise ValueError(f"--partition-index must be in [0, {args.num_partitions}), got {args.partition_index}")
+    if args.download:  # fetched once into --data-dir; read below as any local copy
         from fedcore.data import load_dataset
 
         load_dataset(args.data, args.data_dir, download=True)
@@ -93,8 +97,6 @@ def _local_data(args: argparse.Namespace) -> tuple[Any, Any]:
         if kind == "bundled":
             raise ValueError(f"--data {args.data} is a benchmark dataset: give --partition-index (this device's shard)")
         return open_data(args.data, args.data_dir)
-    if not 0 <= args.partition_index < args.num_partitions:
-        raise ValueError(f"--partition-index must be in [0, {args.num_partitions}), got {args.partition_index}")
     pop = Population(
         args.data,
         args.data_dir,

@@ -139,6 +139,12 @@ def test_a_key_the_method_never_reads_is_refused(method: dict, key: str, value: 
     SimulationConfig(**method)  # the method itself is fine
 
 
+def test_an_unknown_policy_is_named_before_the_keys_it_would_read() -> None:
+    """A misspelled policy made its own keys look unread: "phi = 4 would change nothing" for ``fedlamma``."""
+    with pytest.raises(ValueError, match="unknown interval policy 'fedlamma'"):
+        SimulationConfig(interval_policy="fedlamma", phi=4)
+
+
 def test_a_key_the_method_reads_is_taken() -> None:
     assert SimulationConfig(factorization="atoms", interval_policy="fixed", beta=0.5).policy_params() == {"beta": 0.5}
     assert SimulationConfig(interval_policy="fedlama", phi=4, warmup_rounds=0).policy_params()["phi"] == 4
