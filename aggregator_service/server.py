@@ -33,7 +33,7 @@ from torch import Tensor
 from aggregator_service import request_checks, store
 from aggregator_service.admission import Gate, LatestPerClient
 from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
-from aggregator_service.coordinator import ClientInfo, Coordinator, Done, OpenRound, PushResult, Train, kv
+from aggregator_service.coordinator import ClientInfo, Coordinator, Done, ModelFetch, OpenRound, PushResult, Train, kv
 from aggregator_service.database_url import unreadable
 from aggregator_service.errors import (
     Aborted,
@@ -298,10 +298,13 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 self.tarpit.refused(context.peer())
             _handle(context, exc, "FetchModel")
         sent: dict[str, int] = {}
-        # the model's bytes, sent and to send: a fetch cut midway counts that share of a FedAvg transfer (the
+        # the model's bytes, offered and sent: a fetch cut midway counts that share of a FedAvg transfer (the
         # control alone, SCAFFOLD's, is none)
-        whole = sum(n for name, t, v in model for _, n in self._entries(client.tier, pb.TENSOR_KIND_MODEL, name, t, v))
-        model_sent = [0]
+        offered = {
+            name: (version, sum(n for _, n in self._entries(client.tier, pb.TENSOR_KIND_MODEL, name, t, version)))
+            for name, t, version in model
+        }
+        model_sent: dict[str, int] = {}
 
         def entries() -> Iterator[tuple[bytes, int, tuple[str, bool]]]:
             for kind, tensors in ((pb.TENSOR_KIND_MODEL, model), (pb.TENSOR_KIND_SERVER_CONTROL, control)):
@@ -313,12 +316,14 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             for group in framing.packed(entries()):
                 for _, nbytes, (name, of_model) in group:  # handed to the transport: sent, unless the call ends first
                     sent[name] = sent.get(name, 0) + nbytes
-                    model_sent[0] += nbytes if of_model else 0
+                    if of_model:
+                        model_sent[name] = model_sent.get(name, 0) + nbytes
                 yield group[0][0] if len(group) == 1 else b"".join(entry for entry, _, _ in group)
         finally:  # the last message out, or the call cut (gRPC then drops this generator, which closes it)
             total = sum(sent.values())
             try:
-                self.coordinator.record_download(client, total, sent, round_, category, model=(model_sent[0], whole))
+                fetch = ModelFetch(offered, model_sent, held)
+                self.coordinator.record_download(client, total, sent, round_, category, model=fetch)
             except Exception:
                 log.exception(kv("record_download_failed", client=client.id, bytes=total))
 

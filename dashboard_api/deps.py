@@ -10,6 +10,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.dependencies.models import Dependant
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
@@ -36,42 +37,6 @@ class DashboardState:
 
     def online_since(self) -> datetime:
         return store.utcnow() - timedelta(seconds=self.settings.heartbeat_timeout_seconds)
-
-
-def only_known_parameters(request: Request) -> None:
-    """422 for a query parameter the endpoint does not take, or one given twice: FastAPI would ignore the first and
-    let the last win, so a typo (``limt``) or a parameter of another endpoint (``offset`` on ``/intervals``) would
-    answer as if it were not there."""
-    route = request.scope.get("route")
-    if not isinstance(route, APIRoute):
-        return
-    takes = _query_names(route.dependant)
-    given = request.query_params
-    unknown = sorted(set(given) - takes)
-    if unknown:
-        what = ", ".join(sorted(takes)) if takes else "none"
-        raise HTTPException(
-            status.HTTP_422_UNPROCESSABLE_CONTENT,
-            f"unknown query parameter {', '.join(repr(k[:64]) for k in unknown[:5])}: {request.url.path} takes {what}",
-        )
-    repeated = sorted(k for k in set(given) if len(given.getlist(k)) > 1)
-    if repeated:
-        raise HTTPException(
-            status.HTTP_422_UNPROCESSABLE_CONTENT,
-            f"query parameter {', '.join(repr(k[:64]) for k in repeated[:5])} given more than once",
-        )
-
-
-def _query_names(dependant: Dependant) -> set[str]:
-    """The query parameters a route takes, its dependencies' included."""
-    names = {p.alias for p in dependant.query_params}
-    for sub in dependant.dependencies:
-        names |= _query_names(sub)
-    return names
-
-
-#: on every API route and /metrics
-KnownParameters = Depends(only_known_parameters)
 
 
 def get_state(request: Request) -> DashboardState:
@@ -141,3 +106,43 @@ def require_admin(state: StateDep, credentials: Credentials) -> None:
 
 ReadAccess = Depends(require_read)
 AdminAccess = Depends(require_admin)
+
+
+def only_known_parameters(request: Request, _read: None = ReadAccess) -> None:
+    """422 for a query parameter the endpoint does not take, or one given twice: FastAPI would ignore the first and
+    let the last win, so a typo (``limt``) or a parameter of another endpoint (``offset`` on ``/intervals``) would
+    answer as if it were not there. The body is FastAPI's 422 list, one entry per parameter; a caller the read
+    token refuses gets its 401 first."""
+    route = request.scope.get("route")
+    if not isinstance(route, APIRoute):
+        return
+    takes = _query_names(route.dependant)
+    given = request.query_params
+    what = ", ".join(sorted(takes)) if takes else "none"
+    errors = [
+        {
+            "type": "extra_forbidden",
+            "loc": ("query", k[:64]),
+            "msg": f"unknown query parameter: {request.url.path} takes {what}",
+            "input": given[k],
+        }
+        for k in sorted(set(given) - takes)[:5]
+    ] + [
+        {"type": "repeated", "loc": ("query", k[:64]), "msg": "given more than once", "input": given.getlist(k)}
+        for k in sorted(set(given) & takes)
+        if len(given.getlist(k)) > 1
+    ]
+    if errors:
+        raise RequestValidationError(errors)
+
+
+def _query_names(dependant: Dependant) -> set[str]:
+    """The query parameters a route takes, its dependencies' included."""
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _query_names(sub)
+    return names
+
+
+#: on every API route and /metrics
+KnownParameters = Depends(only_known_parameters)

@@ -25,9 +25,11 @@ class LinkProxy:
         cut_after: int | None = None,
         cut_down_after: int | None = None,
         cut_up_after: int | None = None,
+        cut_first_down_after: int | None = None,
     ) -> None:
         self.upstream, self.rate, self.up_rate = upstream, rate, up_rate
         self.cut_after, self.cut_down_after, self.cut_up_after = cut_after, cut_down_after, cut_up_after
+        self.cut_first_down_after = cut_first_down_after  # the first connection's download only, then a clean link
         self.armed = False
         self.cuts = 0
         self.connections = 0
@@ -60,6 +62,8 @@ class LinkProxy:
         block = 65536 if rate is None else max(1, min(65536, int(rate / 20)))
         try:
             every = self.cut_up_after if upstream else self.cut_down_after
+            if not upstream and every is None and self.cut_first_down_after is not None:
+                every, self.cut_first_down_after = self.cut_first_down_after, None
             while data := src.recv(block):
                 if every is not None and sent + len(data) > every:
                     data = data[: every - sent]

@@ -14,6 +14,18 @@ from aggregator_service.logfmt import kv
 
 from .answers import ClientInfo, Done, PushResult, Registration, Train, Wait
 from .facade import Coordinator
+from .ledger import ModelFetch
 from .shared import OpenRound
 
-__all__ = ["ClientInfo", "Coordinator", "Done", "OpenRound", "PushResult", "Registration", "Train", "Wait", "kv"]
+__all__ = [
+    "ClientInfo",
+    "Coordinator",
+    "Done",
+    "ModelFetch",
+    "OpenRound",
+    "PushResult",
+    "Registration",
+    "Train",
+    "Wait",
+    "kv",
+]

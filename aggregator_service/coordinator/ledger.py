@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import func, select
@@ -30,9 +31,21 @@ from aggregator_service.metrics import category_of, fedavg_equivalent_bytes, fed
 from .answers import ClientInfo
 from .shared import Shared
 
-__all__ = ["Counts", "Ledger"]
+__all__ = ["Counts", "Ledger", "ModelFetch"]
 
 TransferKey = tuple[int, str, str]  # (round, client id, category)
+
+
+@dataclass(frozen=True)
+class ModelFetch:
+    """What of the model one fetch offered (name → (version, bytes)), sent (name → bytes) and found held (the
+    versions the client declared)."""
+
+    offered: Mapping[str, tuple[int, int]]
+    sent: Mapping[str, int]
+    held: Mapping[str, int]
+
+
 Counts = Mapping[
     TransferKey, tuple[int, int, dict[str, int]]
 ]  # → (bytes, FedAvg-equivalent, bytes per full-rank tensor)
@@ -46,6 +59,8 @@ class Ledger:
         self._lock = threading.Lock()
         # moved since the last write: (round, client id, category) → (bytes, FedAvg-equivalent, per full-rank tensor)
         self._counts: dict[TransferKey, tuple[int, int, dict[str, int]]] = {}
+        # (client id, category) → (round, model tensors a cut fetch delivered whole: name → (version, bytes))
+        self._cuts: dict[tuple[str, str], tuple[int, dict[str, tuple[int, int]]]] = {}
 
     def download_round(self, requested: int | None) -> int:
         """The round a fetch's bytes count toward: ``requested`` (validated), else the open round, else the last."""
@@ -74,17 +89,37 @@ class Ledger:
         round_: int | None = None,
         category: str = "train_fetch",
         *,
-        model: tuple[int, int] | None = None,
+        model: ModelFetch | None = None,
     ) -> None:
         """Count one fetch's bytes sent to ``client`` toward ``round_`` (see :meth:`download_round`), per
-        full-rank tensor too, under ``category`` (``train_fetch`` or ``eval_fetch``). ``model`` is
-        ``(sent, whole)``, the model bytes the fetch sent and those it had to send: its FedAvg-equivalent is
-        that share of FedAvg's transfer (:func:`.metrics.fedavg_equivalent_of_part`; none when it moved only
-        SCAFFOLD's control, a fetch FedAvg would not make). Unset: all of it went out."""
+        full-rank tensor too, under ``category`` (``train_fetch`` or ``eval_fetch``), with its FedAvg-equivalent.
+
+        ``model`` says what of the model the fetch offered and sent (unset: all it offered went out). A fetch cut
+        midway counts the share of a FedAvg transfer it sent (:func:`.metrics.fedavg_equivalent_of_part`), and
+        the tensors it delivered whole are remembered: the client's retry holds them, so the retry counts its
+        share of the model those tensors and it make up, and a cut and its resume add up to one FedAvg transfer.
+        A fetch that moved only SCAFFOLD's control is none."""
         round_ = self.download_round(None) if round_ is None else round_
-        sent, whole = (nbytes, nbytes) if model is None else model
-        equivalent = fedavg_equivalent_of_part(self.shared.federation.spec, sent, whole)
+        if model is None:
+            equivalent = fedavg_equivalent_of_part(self.shared.federation.spec, nbytes, nbytes)
+        else:
+            equivalent = self._fetch_equivalent(client.id, category, round_, model)
         self.count(client, category, round_, nbytes, per_tensor, equivalent)
+
+    def _fetch_equivalent(self, client_id: str, category: str, round_: int, model: ModelFetch) -> int:
+        key = (client_id, category)
+        sent = sum(model.sent.values())
+        whole = sum(n for _, n in model.offered.values())
+        delivered = {n: (v, b) for n, (v, b) in model.offered.items() if b > 0 and model.sent.get(n, 0) >= b}
+        with self._lock:
+            cut_round, earlier = self._cuts.get(key, (round_, {}))
+            earlier = earlier if cut_round == round_ else {}
+            kept = sum(b for n, (v, b) in earlier.items() if model.held.get(n) == v and n not in model.offered)
+            if sent < whole:
+                self._cuts[key] = (round_, {**earlier, **delivered})
+            else:
+                self._cuts.pop(key, None)
+        return fedavg_equivalent_of_part(self.shared.federation.spec, sent, whole + kept)
 
     def count(
         self,
