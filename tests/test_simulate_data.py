@@ -138,14 +138,21 @@ def test_simulate_over_grpc_runs_the_users_own_model_and_leaves_no_temporary_dir
     assert not list(scratch.glob("fedatoms-sim-*"))
 
 
+@pytest.mark.parametrize(
+    ("clients", "said"),
+    [
+        (5, r"127\.0\.0\.1"),  # no database answers there: the aggregator cannot start
+        (2, "shards need num_clients"),  # 2 × 2 classes cannot cover 10: refused before the aggregator starts
+    ],
+)
 def test_a_failed_simulation_over_grpc_removes_its_temporary_directory(
-    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clients: int, said: str
 ) -> None:
     from fedatoms.simulate_grpc import run_grpc_simulation
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    config = SimulationConfig(data=str(folder), model="digits-cnn", clients=2, rounds=1, transport="grpc")
-    with pytest.raises(Exception, match=r"127\.0\.0\.1"):  # no database answers there: the aggregator cannot start
+    config = SimulationConfig(data=str(folder), model="digits-cnn", clients=clients, rounds=1, transport="grpc")
+    with pytest.raises(Exception, match=said):
         run_grpc_simulation(config, database_url="postgresql+psycopg://nobody@127.0.0.1:9/none")
     assert not list(tmp_path.glob("fedatoms-sim-*"))
 
