@@ -18,6 +18,7 @@ from processes import SECRET, Aggregator, free_port
 from safetensors.torch import load_file
 
 from aggregator_service import store
+from aggregator_service.config import inert_keys
 from client_agent.state import ClientState
 from fedatoms import simulate
 from fedatoms.simulate import SimulationConfig, run_simulation
@@ -191,6 +192,8 @@ def test_a_run_without_database_url_or_state_dir_leaves_nothing_behind(tmp_path,
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     small = {**CONFIG, "clients": 2, "rounds": 1, "personal_atoms": False, "interval_policy": "every_round"}
     small.update(partition="iid")
+    for key in inert_keys("every_round", small["tiers"]):  # FedLAMA's keys: refused without FedLAMA
+        small.pop(key, None)
     said: list[str] = []
     result = run_simulation(SimulationConfig(transport="grpc", **small), workers=1, announce=said.append)
     assert [r["round"] for r in result["rounds"]] == [1]
