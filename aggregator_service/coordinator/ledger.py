@@ -46,9 +46,8 @@ class ModelFetch:
     held: Mapping[str, int]
 
 
-Counts = Mapping[
-    TransferKey, tuple[int, int, dict[str, int]]
-]  # → (bytes, FedAvg-equivalent, bytes per full-rank tensor)
+#: → (bytes, FedAvg-equivalent, bytes per full-rank tensor)
+Counts = Mapping[TransferKey, tuple[int, int, dict[str, int]]]
 
 
 class Ledger:
@@ -97,7 +96,7 @@ class Ledger:
         ``model`` says what of the model the fetch offered and sent (unset: all it offered went out). A fetch cut
         midway counts the share of a FedAvg transfer it sent (:func:`.metrics.fedavg_equivalent_of_part`), and
         the tensors it delivered whole are remembered: the client's retry holds them, so the retry counts its
-        share of the model those tensors and it make up, and a cut and its resume add up to one FedAvg transfer.
+        share of the model those tensors and it make up: a cut and its resume count what moved, at FedAvg's rate.
         A fetch that moved only SCAFFOLD's control is none."""
         round_ = self.download_round(None) if round_ is None else round_
         if model is None:
