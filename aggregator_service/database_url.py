@@ -14,7 +14,7 @@ from pydantic import AfterValidator
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
-__all__ = ["DatabaseURL", "check_url", "shown", "unreadable"]
+__all__ = ["DatabaseURL", "check_url", "driver_says", "shown", "unreadable"]
 
 
 def check_url(url: str) -> URL:
@@ -48,8 +48,13 @@ def shown(url: str) -> str:
 def unreadable(url: str, exc: BaseException) -> ValueError:
     """A database the command cannot reach or read (no server, a missing database, refused credentials), in one
     line: the driver's first line, the URL with its password hidden."""
-    first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
-    return ValueError(f"cannot read the database {shown(url)}: {first}")
+    return ValueError(f"cannot read the database {shown(url)}: {driver_says(exc)}")
+
+
+def driver_says(exc: BaseException) -> str:
+    """The first line of the driver's own message: SQLAlchemy's text adds the statement and its parameters, which
+    a log repeating them on every failed read buries the cause under."""
+    return (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _database_url(value: str) -> str:

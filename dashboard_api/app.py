@@ -29,6 +29,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aggregator_service import store
+from aggregator_service.database_url import driver_says
 
 from . import queries
 from .deps import DashboardState, KnownParameters, ReadAccess, StateDep
@@ -154,7 +155,7 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
 
     @app.exception_handler(SQLAlchemyError)
     async def database_unavailable(_request: Request, exc: SQLAlchemyError) -> JSONResponse:
-        log.warning("database error: %s", exc)
+        log.warning("database error: %s", driver_says(exc))
         return JSONResponse({"detail": unavailable(exc)}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
 
     @app.get("/healthz", response_model=Health, tags=["health"])

@@ -25,6 +25,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from aggregator_service import store
+from aggregator_service.database_url import driver_says
 
 from . import queries
 
@@ -58,7 +59,7 @@ class FederationCollector(Collector):
                     else queries.metrics_snapshot(session, fed, self._online_since(), DURATION_BUCKETS)
                 )
         except SQLAlchemyError as exc:
-            log.warning("metrics scrape could not read the database: %s", exc)
+            log.warning("metrics scrape could not read the database: %s", driver_says(exc))
             up.add_metric([], 0)
             yield up
             return

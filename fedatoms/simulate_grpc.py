@@ -214,6 +214,10 @@ def run_grpc_simulation(
     except BaseException:
         if temporary:  # a failed run leaves nothing behind either
             shutil.rmtree(root, ignore_errors=True)
+        else:  # what a refused or failed run leaves in --state-dir is the user's to look at or resume
+            say(f"kept: client state in {root}")
+        if server is None and database_url is not None and (not temporary or not _inside(database_url, root)):
+            say(f"kept: the database {shown(database_url)}")
         raise
     return {"config": out, "rounds": records, "summary": summary}
 

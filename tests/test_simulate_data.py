@@ -182,6 +182,22 @@ def test_client_state_from_another_database_is_refused_in_one_line(tmp_path: Pat
     assert "client-000000" in str(info.value) and "give a new --state-dir" in str(info.value)
 
 
+def test_a_refused_run_says_what_it_kept_in_its_state_dir(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A rerun on a --state-dir whose database holds another federation's method is refused; what the directory
+    holds is the user's, and the run says it kept it, as a finished run does."""
+    keys = dict(model="digits-cnn", clients=2, fraction=1.0, partition="iid", rounds=1, transport="grpc")
+    state = tmp_path / "state"
+    run_simulation(SimulationConfig(**keys), state_dir=str(state))
+    capsys.readouterr()
+    with pytest.raises(ValueError, match="lr"):
+        run_simulation(SimulationConfig(**keys, lr=0.5), state_dir=str(state))
+    said = capsys.readouterr().err
+    assert (
+        f"kept: client state in {state}" in said and f"kept: the database sqlite:///{state / 'aggregator.db'}" in said
+    )
+    assert (state / "aggregator.db").is_file()
+
+
 def test_a_benchmark_simulation_records_the_normalization_its_loader_applies() -> None:
     """The digits loader maps raw pixel 0 to its minimum and 16/16 to its maximum: the (mean, std) it used,
     derived from its output, is what the federation records (and an export carries); another is refused."""

@@ -81,10 +81,11 @@ def test_a_name_or_port_the_store_or_the_socket_cannot_take_is_refused(key: str,
     assert DashboardSettings(federation_name="n" * 128).federation_name == "n" * 128
 
 
-def test_a_missing_sqlite_file_is_named_and_not_created(tmp_path: Path) -> None:
+def test_a_missing_sqlite_file_is_named_and_not_created(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A mistyped path used to leave an empty WAL database behind (and its -shm, -wal files) and answer a generic
     503. The dashboard opens only a file that exists, and says which is missing; once the aggregator creates it,
-    the same dashboard serves it."""
+    the same dashboard serves it. Its log says the driver's cause in one line per failed read (it repeated the
+    SQL statement, every request and scrape)."""
     import httpx
     from dashboard_helpers import start_dashboard
 
@@ -97,7 +98,11 @@ def test_a_missing_sqlite_file_is_named_and_not_created(tmp_path: Path) -> None:
         assert ready.status_code == 503 and "the database file does not exist" in ready.json()["detail"]
         api = httpx.get(f"{live.base_url}/api/v1/federation")
         assert api.status_code == 503 and f"the database file {path} does not exist" in api.json()["detail"]
+        assert "fedatoms_database_up 0.0" in httpx.get(f"{live.base_url}/metrics").text
         assert list(tmp_path.iterdir()) == []  # nothing created
+        warned = [r.getMessage() for r in caplog.records if r.name.startswith("dashboard_api")]
+        assert len(warned) == 2, warned  # the API's read and the scrape's
+        assert all("unable to open database file" in w and "\n" not in w and "SQL" not in w for w in warned), warned
         store.upgrade(f"sqlite:///{path}")  # what the aggregator does at its first start
         assert httpx.get(f"{live.base_url}/readyz").status_code == 200
     finally:
