@@ -36,6 +36,8 @@ def check_header(update_id: str, num_samples: int, metrics: Mapping[str, float])
         )
     out: dict[str, float] = {}
     for key, value in metrics.items():
+        if not key.strip():
+            raise InvalidArgument(f"metric name {key!r} is blank: name each metric, e.g. train_loss")
         f = float(value)
         if not math.isfinite(f):
             raise InvalidArgument(f"metric {key!r} is {value}: metrics must be finite numbers")

@@ -86,7 +86,7 @@ def assign_tier(profile: CapabilityProfile, spec: ModelSpec, tiers: tuple[float,
     """Largest γ in ``tiers`` (capped by the client's preference) whose memory and MACs fit."""
     if profile.preferred_tier is not None and profile.preferred_tier not in tiers:
         raise ValueError(
-            f"preferred tier {profile.preferred_tier:g} is not one of {', '.join(f'{t:g}' for t in tiers)}"
+            f"preferred tier {profile.preferred_tier!r} is not one of {', '.join(f'{t:g}' for t in tiers)}"
         )
     costs = tier_costs(spec, tiers)
     for gamma in sorted(tiers, reverse=True):

@@ -39,6 +39,8 @@ class Evaluations:
             raise InvalidArgument(f"global_loss must be a finite number ≥ 0, got {global_loss}")
         if num_samples < 1:
             raise InvalidArgument(f"num_samples must be ≥ 1, got {num_samples}")
+        if round_ < 1:  # no round 0 closes: it names the initial model
+            raise InvalidArgument(f"round must be ≥ 1 (the round whose model you evaluated), got {round_}")
         shared = self.shared
         if round_ not in self._closed_rounds:
             with shared.reader.connect() as conn:

@@ -165,7 +165,7 @@ class Uploads:
         try:
             told, duplicate = shared.writes.run(write)
         except store.UpdateConflict as exc:
-            raise FailedPrecondition(f"{exc}; a retry must reuse the original update_id") from exc
+            raise FailedPrecondition(str(exc)) from exc
         except store.RoundStateError as exc:  # the round closed after the checks above: late after all
             refusal = FailedPrecondition(f"{exc}: poll GetTask")
             return self._refuse_late(client, round_, update_id, refusal, move_scale), None

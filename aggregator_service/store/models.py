@@ -290,7 +290,7 @@ class Update(Base):
     __tablename__ = "updates"
     __table_args__ = (
         ForeignKeyConstraint(["federation_id", "round"], ["rounds.federation_id", "rounds.number"], ondelete="CASCADE"),
-        Index(None, "federation_id", "update_id", unique=True),
+        Index(None, "federation_id", "client_id", "update_id", unique=True),  # an idempotency key is the client's
         # one update per client per round; also the index iter_round_updates walks in client order
         Index(None, "federation_id", "round", "client_id", unique=True),
         CheckConstraint("num_samples >= 1", name="num_samples"),

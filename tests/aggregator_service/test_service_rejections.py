@@ -238,3 +238,41 @@ def test_registration_caps_the_declared_sample_count(start_service, request, bac
         profile=pb.CapabilityProfile(device_name="edge", num_samples=1000), enrollment_secret=SECRET
     )
     assert svc.stub.Register(ok).client_id
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_blank_metric_name_a_round_0_report_and_a_near_tier_are_refused_by_name(start_service, request, backend):
+    """Three refusals a hostile sweep found unclear: a metric named "" was stored and averaged under "", a
+    report for round 0 (the initial model, which no round closes) was told to wait for its close, and a
+    preferred tier of 0.25000000001 was printed as 0.25, "not one of 1, 0.25"."""
+    svc = start_service(request.getfixturevalue(f"{backend}_url"))
+    data = shards(2, 60)
+    a, _ = register(svc.stub, 1.0, data[0]), register(svc.stub, 0.25, data[1])  # two: the push closes nothing
+    task = a.task()
+    a.fetch()
+    tensors = {n: t.numpy() for n, t in a.train(task).tensors.items()}
+    for blank in ("", " "):
+        _refused(
+            svc.url,
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"metric name {blank!r} is blank",
+            lambda b=blank: a.push(1, tensors, metrics={"train_loss": 0.5, b: 1.0}),
+        )
+    report = pb.EvaluationReport(round=0, global_accuracy=0.5, global_loss=1.0, num_samples=10)
+    _refused(
+        svc.url,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "round must be ≥ 1",
+        lambda: svc.stub.ReportEvaluation(report, metadata=a.auth),
+    )
+    near = pb.RegisterRequest(
+        profile=pb.CapabilityProfile(device_name="edge", num_samples=10, preferred_tier=0.25000000001),
+        enrollment_secret=SECRET,
+    )
+    _refused(
+        svc.url,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "preferred tier 0.25000000001 is not one of",
+        lambda: svc.stub.Register(near),
+    )
+    assert a.push(1, tensors, metrics={"train_loss": 0.5}).accepted

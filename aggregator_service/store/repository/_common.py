@@ -44,7 +44,8 @@ class NotInCohort(StoreError):
 
 
 class UpdateConflict(StoreError):
-    """Another update of this client for this round, or another client's ``update_id`` (``ALREADY_EXISTS``)."""
+    """Another update of this client for this round, or its ``update_id`` reused for another round
+    (``FAILED_PRECONDITION``)."""
 
 
 # --------------------------------------------------------------------------- helpers

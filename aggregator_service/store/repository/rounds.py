@@ -8,7 +8,7 @@ from datetime import datetime
 from typing import Any
 
 import numpy as np
-from sqlalchemy import and_, bindparam, delete, func, insert, or_, select
+from sqlalchemy import bindparam, delete, func, insert, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -153,12 +153,10 @@ def abandon_round(session: Session, fed: Federation, number: int, *, now: dateti
 
 # Statements every push runs, built once (see ``_common.prebuilt``).
 _U, _R = Update.__table__, Round.__table__
-_UPDATE_OR_SLOT = select(_U.c.id, _U.c.update_id, _U.c.client_id, _U.c.round).where(
+_UPDATE_OR_SLOT = select(_U.c.id, _U.c.update_id, _U.c.round).where(
     _U.c.federation_id == bindparam("fed"),
-    or_(
-        _U.c.update_id == bindparam("update_id"),
-        and_(_U.c.round == bindparam("round"), _U.c.client_id == bindparam("client_id")),
-    ),
+    _U.c.client_id == bindparam("client_id"),
+    or_(_U.c.update_id == bindparam("update_id"), _U.c.round == bindparam("round")),
 )
 _ROUND_FOR_SHARE = (
     select(_R.c.state, _R.c.cohort_json)
@@ -196,19 +194,24 @@ def _duplicate_or_conflict(
 ) -> tuple[Update, bool] | None:
     """``(stored update, True)`` for a retry of ``update_id``; ``None`` when the update is new.
 
-    One Core read finds both an earlier use of ``update_id`` and another update of this client
-    for this round (both unique): a push runs this on every client's critical path.
+    One Core read finds both this client's earlier use of ``update_id`` and its other update for this
+    round (both unique): a push runs this on every client's critical path. The key is the client's own
+    (``PushHeader.update_id`` is scoped to the client): another client's use of it is no concern of this push.
     """
     hits = session.connection().execute(
         _UPDATE_OR_SLOT, {"fed": fed.id, "update_id": update_id, "round": round, "client_id": client_id}
     )
-    for pk, uid, cid, rnd in hits.all():
+    for pk, uid, rnd in hits.all():
         if uid != update_id:
             raise UpdateConflict(
-                f"client {client_id} already pushed update {uid!r} for round {round}; one update per round"
+                f"client {client_id} already pushed update {uid!r} for round {round}; one update per round; "
+                "a retry must reuse the original update_id"
             )
-        if cid != client_id or rnd != round:
-            raise UpdateConflict(f"update_id {update_id!r} was already used for another client or round")
+        if rnd != round:
+            raise UpdateConflict(
+                f"update_id {update_id!r} was already used for this client's update of round {rnd}; a new update "
+                "takes a new update_id"
+            )
         existing = session.get(Update, pk)
         assert existing is not None
         return existing, True
@@ -217,7 +220,7 @@ def _duplicate_or_conflict(
 
 def retried_update(session: Session, fed: Federation, round: int, client_id: str, update_id: str) -> Update | None:
     """The stored update a push of ``update_id`` by ``client_id`` for ``round`` repeats, else ``None`` (also when
-    ``update_id`` belongs to another client or round: that push is no retry)."""
+    ``update_id`` belongs to another round: that push is no retry)."""
     try:
         found = _duplicate_or_conflict(session, fed, round, client_id, update_id)
     except UpdateConflict:
@@ -263,7 +266,7 @@ def store_update(
 
     Raises :class:`RoundStateError` (round not open), :class:`NotFound` (no such round),
     :class:`NotInCohort`, :class:`UpdateConflict` (a different update of this client for this
-    round, or an update_id of another client), :class:`~fedcore.codec.CodecError` (NaN/Inf,
+    round, or its update_id reused for another round), :class:`~fedcore.codec.CodecError` (NaN/Inf,
     unsupported dtype) and :class:`ValueError` (bad counts or metrics). Names and shapes are
     the caller's to validate against the client's tier spec. ``finite=True``: the caller has already
     refused NaN and Inf (:func:`aggregator_service.validation.check_tensors`), so the arrays are not

@@ -43,10 +43,10 @@ def test_upgrade_creates_every_table_and_is_idempotent(db_url):
 
     store.upgrade(db_url)
     assert _tables(db_url) == TABLES == set(store.Base.metadata.tables)
-    assert store.current_revision(db_url) == store.head_revision() == "0007_update_move_scale"
+    assert store.current_revision(db_url) == store.head_revision() == "0008_update_id_per_client"
 
     store.upgrade(db_url)  # a second start-up migrates nothing and fails nothing
-    assert store.current_revision(db_url) == "0007_update_move_scale"
+    assert store.current_revision(db_url) == "0008_update_id_per_client"
     assert _tables(db_url) == TABLES
 
 
@@ -72,7 +72,7 @@ def test_indexes_for_the_dashboard(db):
     assert ("federation_id", "last_seen") in index_columns  # clients by federation + last seen
     assert insp.get_pk_constraint("rounds")["constrained_columns"] == ["federation_id", "number"]
     assert insp.get_pk_constraint("tensor_metrics")["constrained_columns"][:2] == ["federation_id", "round"]
-    assert ("federation_id", "update_id") in index_columns
+    assert ("federation_id", "client_id", "update_id") in index_columns  # a retry finds its update
 
 
 def test_sqlite_connection_settings(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -179,13 +180,33 @@ def test_concurrent_duplicate_pushes_from_two_engines(db, world):
 
 
 def test_one_update_per_client_and_round(db, world):
-    a, b, _ = world.clients
+    a = world.clients[0]
     _push(db, world, a, "u-a", 1.0)
     with db.factory.begin() as s:
         with pytest.raises(store.UpdateConflict, match="already pushed"):
             store.store_update(s, world.fed, 1, a, "u-a2", 1, {}, _tensors(2))
-        with pytest.raises(store.UpdateConflict, match="another client"):
-            store.store_update(s, world.fed, 1, b, "u-a", 1, {}, _tensors(2))
+
+
+def test_an_update_id_is_scoped_to_its_client(db, world):
+    """PushHeader.update_id is the client's own key: another client's push with the same key is a new update
+    (it was refused as "already used"), and a client reusing its key for the next round is refused."""
+    a, b, c = world.clients
+    _push(db, world, a, "round-1", 1.0)
+    assert _push(db, world, b, "round-1", 2.0)[1] is False  # stored, no duplicate
+    assert {(cid, uid, float(t["w"][0, 0])) for cid, uid, t, _ in _stored(db, world)} == {
+        (a, "round-1", 1.0),
+        (b, "round-1", 2.0),
+    }
+    with db.factory.begin() as s:
+        store.close_round(  # it keeps the round's headers until the next close
+            s, world.fed, 1, new_tensors={}, intervals={}, round_metrics={}, tensor_metrics=[], transfers=[],
+            strategy_state={}, policy_state={}, strategy_tensors={}, next_round=2, now=world.t0,
+        )  # fmt: skip
+        store.open_round(s, world.fed, 2, world.clients, ["w"], False, world.t0 + timedelta(minutes=9), now=world.t0)
+    with db.factory.begin() as s:
+        with pytest.raises(store.UpdateConflict, match="already used for this client's update of round 1"):
+            store.store_update(s, world.fed, 2, a, "round-1", 1, {}, _tensors(3))
+        assert not store.store_update(s, world.fed, 2, c, "round-1", 1, {}, _tensors(3))[1]
 
 
 def test_refusals_leave_nothing_behind(db, world):
