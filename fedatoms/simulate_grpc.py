@@ -131,11 +131,13 @@ def run_grpc_simulation(
         reader = store.create_engine_for(database_url, sqlite_begin="DEFERRED")  # reads: never wait for the aggregator
 
         def poll() -> None:
-            """Report rounds closed since the last poll (twice a second; one cheap read when none did)."""
-            if progress is None or _last_closed(reader, federation_name) <= max(seen, default=0):
+            """Report rounds closed since the last poll (twice a second; one cheap read when none did). The last
+            round waits for the end of the run: the final evaluation fetches still add to its bytes."""
+            shown = max(seen, default=0)
+            if progress is None or min(_last_closed(reader, federation_name), config.rounds - 1) <= shown:
                 return
-            for record in records_from_store(reader, federation_name, after=max(seen, default=0)):
-                if record["round"] not in seen:
+            for record in records_from_store(reader, federation_name, after=shown):
+                if record["round"] not in seen and record["round"] < config.rounds:
                     seen.add(record["round"])
                     progress(record)
 

@@ -358,8 +358,14 @@ def test_device_cpu_runs_and_every_grpc_agent_trains_on_it(transport: str, tmp_p
     )
     config.transport = transport
     options = {"workers": 2, "state_dir": str(tmp_path / "clients")} if transport == "grpc" else {}
-    results = run_simulation(config, **options)
+    shown: list[dict] = []
+    results = run_simulation(config, progress=shown.append, **options)
     assert [r["round"] for r in results["rounds"]] == [1, 2] and results["config"]["device"] == "cpu"
+    # the progress bar ends on the summary's bytes: over gRPC a round's record grows after its close by the
+    # fetches that evaluate its model, and the bar's last MB missed the final round's
+    totals = ("cumulative_bytes_up", "cumulative_bytes_down")
+    assert [r["round"] for r in shown] == [1, 2]
+    assert [shown[-1][k] for k in totals] == [results["rounds"][-1][k] for k in totals]
     if transport == "grpc":
         states = [ClientState.load(tmp_path / "clients" / client_key(i)) for i in range(4)]
         assert [s.rounds_joined for s in states] == [2, 2, 2, 2]
