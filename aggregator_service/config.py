@@ -579,6 +579,13 @@ class AggregatorSettings(TomlSettings):
         split_listen(value)
         return value
 
+    @field_validator("enrollment_secret")
+    @classmethod
+    def _check_enrollment_secret(cls, value: str) -> str:
+        if not value.strip():  # an env file's `FEDATOMS_ENROLLMENT_SECRET=` left empty: anyone could enroll
+            raise ValueError("it is empty, and any device could enroll with it: set one (e.g. `openssl rand -hex 16`)")
+        return value
+
     @model_validator(mode="after")
     def _record_eval_normalization(self) -> AggregatorSettings:
         if self.eval_data is not None and describe(self.eval_data, "eval_data") == "bundled":

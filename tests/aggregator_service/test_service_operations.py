@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import ssl
 import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -90,6 +92,33 @@ def test_tls_register_and_plaintext_refused(start_service, sqlite_url, pki: Path
         target, grpc.ssl_channel_credentials(root_certificates=(pki / "client.pem").read_bytes())
     ) as channel:
         _refused(channel)
+
+
+def test_the_images_health_probe_trusts_the_servers_own_certificate_even_one_a_ca_issued(
+    start_service, sqlite_url, pki
+) -> None:
+    """deploy/images/grpc_health.py (the containers' health check and Kubernetes' liveness probe) trusts
+    FEDATOMS_TLS_CERT itself: gRPC's TLS takes a trusted leaf as the chain's anchor, so a certificate a CA issued
+    passes without the CA, as compose.tls.yaml's clients' `--tls-ca server.crt` does. Another certificate fails,
+    and so does a draining server under `ready` (NOT_SERVING, exit 1) while `live` passes."""
+    svc = start_service(sqlite_url, tls_cert=pki / "server.pem", tls_key=pki / "server.key")
+    # installed as the image installs it: run as grpc_health.py, its own name would shadow grpc_health.v1
+    probe = pki / "fedatoms-grpc-health"
+    shutil.copy(Path(__file__).parents[2] / "deploy" / "images" / "grpc_health.py", probe)
+    env = {**os.environ, "FEDATOMS_HEALTH_ADDR": f"127.0.0.1:{svc.port}", "FEDATOMS_HEALTH_TLS_NAME": "localhost"}
+
+    def run(mode: str, cert: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, str(probe), mode]
+        return subprocess.run(cmd, env={**env, "FEDATOMS_TLS_CERT": str(pki / cert)}, capture_output=True, text=True)
+
+    ready = run("ready", "server.pem")
+    assert ready.returncode == 0 and ready.stdout.strip().endswith(": SERVING"), ready
+    other = run("live", "client.pem")
+    assert other.returncode == 1 and "UNAVAILABLE" in other.stderr, other
+    svc.server.health_servicer.enter_graceful_shutdown()  # what SIGTERM does first
+    draining = run("ready", "server.pem")
+    assert draining.returncode == 1 and draining.stdout.strip().endswith(": NOT_SERVING"), draining
+    assert run("live", "server.pem").returncode == 0
 
 
 def test_mutual_tls_needs_a_client_certificate_of_the_ca(start_service, sqlite_url, pki: Path) -> None:
@@ -434,8 +463,12 @@ def test_evaluation_data_the_model_cannot_score_stops_serve_in_one_line(tmp_path
             "invalid aggregator settings: deadline_seconds: Input should be greater than 0 (got -1)",
         ),
         ('listen = "0.0.0.0:0"\n', "invalid aggregator settings: refusing to serve without TLS on 0.0.0.0:0"),
+        (  # an env file's FEDATOMS_ENROLLMENT_SECRET= left empty was taken: any device could enroll
+            'enrollment_secret = "  "\n',
+            "invalid aggregator settings: enrollment_secret: it is empty, and any device could enroll with it",
+        ),
     ],
-    ids=["a-key", "the-settings"],
+    ids=["a-key", "the-settings", "an-empty-secret"],
 )
 def test_invalid_settings_are_one_line_per_refused_key(tmp_path: Path, lines: str, said: str) -> None:
     """pydantic's own text spans four lines and ends in a link to its docs; the operator gets the key and why."""

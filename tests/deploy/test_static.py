@@ -6,6 +6,7 @@ Each test skips, saying why, where its tool is missing."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -48,26 +49,37 @@ def test_kustomization_names_every_manifest_and_file() -> None:
     for generator in kustomization["configMapGenerator"]:
         for name in generator["files"]:
             assert (KUBERNETES / name.split("=")[-1]).is_file()
-    # secrets.env is the operator's (never committed); the example names the same keys the manifests read
-    example = {
-        line.split("=")[0]
-        for line in (KUBERNETES / "secrets.example.env").read_text().splitlines()
-        if line and not line.startswith("#")
-    }
-    used = set()
+    # secrets.env is the operator's (never committed); the example names the same keys the manifests read,
+    # an optional one commented out
+    lines = (KUBERNETES / "secrets.example.env").read_text().splitlines()
+    example = {line.split("=")[0] for line in lines if line and not line.startswith("#")}
+    commented = {line[1:].split("=")[0] for line in lines if re.fullmatch(r"#[a-z-]+=.*", line)}
+    used, optional = set(), set()
     for path in manifests():
         for doc in yaml.safe_load_all(path.read_text()):
             used |= _secret_keys(doc)
-    assert used == example
+            optional |= _secret_keys(doc, optional=True)
+    assert used - optional == example and optional == commented, (used, optional, example, commented)
+    assert {"secrets.env", "tls"} <= _ignored(DEPLOY / "kubernetes" / "secrets.env", DEPLOY / "tls" / "server.key")
 
 
-def _secret_keys(node: object) -> set[str]:
+def _ignored(*paths: Path) -> set[str]:
+    """Which of ``paths`` git ignores (by name, or a directory's name): the operator's secrets, never committed."""
+    done = subprocess.run(["git", "check-ignore", *map(str, paths)], capture_output=True, text=True, cwd=ROOT)
+    return {Path(line).name for line in done.stdout.splitlines()} | {
+        Path(line).parent.name for line in done.stdout.splitlines()
+    }
+
+
+def _secret_keys(node: object, optional: bool = False) -> set[str]:
+    """The keys of fedatoms-secrets that ``node`` reads (``optional``: only those marked optional)."""
     if isinstance(node, dict):
         ref = node.get("secretKeyRef")
-        keys = {ref["key"]} if isinstance(ref, dict) and ref.get("name") == "fedatoms-secrets" else set()
-        return keys.union(*(_secret_keys(v) for v in node.values()))
+        named = isinstance(ref, dict) and ref.get("name") == "fedatoms-secrets"
+        keys = {ref["key"]} if named and (ref.get("optional") is True or not optional) else set()
+        return keys.union(*(_secret_keys(v, optional) for v in node.values()))
     if isinstance(node, list):
-        return set().union(*(_secret_keys(v) for v in node))
+        return set().union(*(_secret_keys(v, optional) for v in node))
     return set()
 
 
@@ -129,6 +141,9 @@ def test_compose_file_is_valid() -> None:
     assert len(clients) >= 3 and all(s["restart"] == "on-failure" for s in clients)
     assert services["aggregator"]["restart"] == "always" and services["postgres"]["restart"] == "always"
     assert "ports" not in services["postgres"]  # the host's 5432 stays free
+    # plaintext gRPC (tokens) and plain HTTP stay on the host's loopback unless the operator publishes them
+    assert services["aggregator"]["ports"] == ["127.0.0.1:50051:50051/tcp"]
+    assert services["dashboard"]["ports"] == ["127.0.0.1:8080:8080/tcp"]
     tls = [*command[:3], "-f", str(DEPLOY / "compose.tls.yaml"), "config"]
     done = subprocess.run(tls, capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 0 and "WARNING" not in done.stderr, done.stderr
@@ -146,7 +161,7 @@ def test_systemd_units_verify_without_warnings(tmp_path: Path) -> None:
         copy = tmp_path / unit.name
         copy.write_text(_installed(unit.read_text(), fedatoms))
         units.append(str(copy))
-    assert len(units) == 2
+    assert len(units) == 3
     done = subprocess.run([analyze, "verify", *units], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stderr == "", done.stderr
 
@@ -193,6 +208,32 @@ def test_the_systemd_recipe_migrates_and_serves_with_its_env_file(tmp_path: Path
         server.terminate()
         server.wait(30)
     assert server.returncode == 0, (tmp_path / "aggregator.log").read_text()[-2000:]
+
+
+def test_the_client_unit_runs_client_run_and_restarts_by_its_exit_codes() -> None:
+    """fedatoms-client.service's command, its variables filled from client.env as systemd fills them, is one
+    `fedatoms client run` takes; a stop (SIGTERM) counts as success, and the exits a restart cannot mend (bad
+    flags or data, a refused secret or token, diverged training) stay stopped."""
+    from client_agent.agent import EXIT_CODES
+    from fedatoms.cli import build_parser
+
+    unit = (DEPLOY / "systemd" / "fedatoms-client.service").read_text()
+    env = {}
+    for line in (DEPLOY / "systemd" / "client.env").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key] = value
+    command = _unit_command("fedatoms-client.service", "ExecStart", "fedatoms")
+    filled = [re.sub(r"\$\{(\w+)\}", lambda m: env[m.group(1)], arg) for arg in command]
+    args = build_parser().parse_args(filled[1:])
+    assert (args.command, args.server, args.data) == ("client", env["FEDATOMS_SERVER"], env["FEDATOMS_CLIENT_DATA"])
+    assert "FEDATOMS_ENROLLMENT_SECRET" in env  # the first start enrolls with it
+    directives = dict(line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#"))
+    assert directives["SuccessExitStatus"].split() == [str(EXIT_CODES["interrupted"])]
+    prevent = {EXIT_CODES[k] for k in ("usage", "unauthenticated", "diverged")}
+    assert {int(c) for c in directives["RestartPreventExitStatus"].split()} == prevent
+    assert directives["Restart"] == "on-failure"  # 0: the federation is done
+    assert args.state_dir == "/var/lib/fedatoms-client" and directives["StateDirectory"] == "fedatoms-client"
 
 
 def test_dashboard_app_imports_without_torch() -> None:
