@@ -64,6 +64,15 @@ def create_engine(database_url: str) -> Engine:
     return store.create_engine_for(url, sqlite_begin="DEFERRED", **kwargs)
 
 
+def writer_engine(engine: Engine) -> Engine | None:
+    """For a SQLite file, an engine whose transactions begin IMMEDIATE, for the admin actions: they take the write
+    lock before they read, so they wait for the aggregator's commit (busy_timeout) instead of failing on a
+    snapshot it made stale. ``None``: the reader serves (PostgreSQL, or a memory database only it can reach)."""
+    if engine.dialect.name != "sqlite" or engine.url.database in (None, "", ":memory:"):
+        return None
+    return store.create_engine_for(engine.url, sqlite_begin="IMMEDIATE", sqlite_checkpoint="commit", pool_size=2)
+
+
 def sqlite_file(url: str | URL) -> Path | None:
     """The file a SQLite URL names, absolute (``None``: another backend, memory, or already a URI filename)."""
     u = make_url(url)
@@ -102,12 +111,17 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
     settings = settings or DashboardSettings()
     owned = engine is None
     engine = engine or create_engine(settings.database_url)
-    state = DashboardState(settings, engine, store.session_factory(engine))
+    writer = writer_engine(engine)
+    state = DashboardState(
+        settings, engine, store.session_factory(engine), store.session_factory(engine if writer is None else writer)
+    )
     registry = build_registry(state.factory, settings.federation_name, state.online_since)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
+        if writer is not None:
+            writer.dispose()
         if owned:
             engine.dispose()
 

@@ -1,4 +1,5 @@
-"""Request dependencies: a read session per request, the federation, and the bearer tokens."""
+"""Request dependencies: a read (or, for admin actions, a write) session per request, the federation, and the
+bearer tokens."""
 
 from __future__ import annotations
 
@@ -21,7 +22,17 @@ from aggregator_service import store
 
 from .settings import DashboardSettings
 
-__all__ = ["AdminAccess", "DashboardState", "FederationRow", "KnownParameters", "ReadAccess", "SessionDep", "StateDep"]
+__all__ = [
+    "AdminAccess",
+    "DashboardState",
+    "FederationRow",
+    "FederationToWrite",
+    "KnownParameters",
+    "ReadAccess",
+    "SessionDep",
+    "StateDep",
+    "WriteSessionDep",
+]
 
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <token>` (see docs/dashboard.md)")
 _REALM = 'Bearer realm="fedatoms-dashboard"'
@@ -29,11 +40,15 @@ _REALM = 'Bearer realm="fedatoms-dashboard"'
 
 @dataclass
 class DashboardState:
-    """What one app holds: its settings and its engine (read-only use; writes go through the store)."""
+    """What one app holds: its settings, its engine, and the sessions it reads and writes with (writes go
+    through the store)."""
 
     settings: DashboardSettings
     engine: Engine
     factory: sessionmaker[Session]
+    #: an admin action's sessions. On SQLite they begin IMMEDIATE: a read transaction that then writes fails at
+    #: once (SQLITE_BUSY_SNAPSHOT, no busy wait) when the aggregator committed in between, as it does every round
+    writer: sessionmaker[Session]
 
     def online_since(self) -> datetime:
         return store.utcnow() - timedelta(seconds=self.settings.heartbeat_timeout_seconds)
@@ -52,9 +67,15 @@ def get_session(state: StateDep) -> Iterator[Session]:
         yield session
 
 
-# scope="function": the transaction commits before the response leaves, so a client that saw
+def get_write_session(state: StateDep) -> Iterator[Session]:
+    with state.writer.begin() as session:
+        yield session
+
+
+# scope="function": the transaction ends before the response leaves; for a write, a client that saw
 # "paused" or "revoked" can rely on the aggregator reading it from the database
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+WriteSessionDep = Annotated[Session, Depends(get_write_session, scope="function")]
 
 
 def get_federation(state: StateDep, session: SessionDep) -> store.Federation:
@@ -69,6 +90,14 @@ def get_federation(state: StateDep, session: SessionDep) -> store.Federation:
 
 
 FederationRow = Annotated[store.Federation, Depends(get_federation)]
+
+
+def get_federation_to_write(state: StateDep, session: WriteSessionDep) -> store.Federation:
+    return get_federation(state, session)
+
+
+#: the federation, read in the admin action's own write transaction
+FederationToWrite = Annotated[store.Federation, Depends(get_federation_to_write)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, status
+from sqlalchemy.orm import Session
 
 from aggregator_service import store
 
 from . import queries
-from .deps import AdminAccess, FederationRow, ReadAccess, SessionDep, StateDep
+from .deps import AdminAccess, FederationRow, FederationToWrite, ReadAccess, SessionDep, StateDep, WriteSessionDep
 from .schemas import (
     Bandwidth,
     ClientDetail,
@@ -71,7 +72,7 @@ def get_federation(state: StateDep, session: SessionDep, fed: FederationRow) -> 
     }
 
 
-def _set_state(session: SessionDep, fed: store.Federation, new: str) -> dict[str, Any]:
+def _set_state(session: Session, fed: store.Federation, new: str) -> dict[str, Any]:
     previous = fed.state
     if previous == "done":
         raise HTTPException(status.HTTP_409_CONFLICT, "the federation is done; it cannot be paused or resumed")
@@ -80,13 +81,13 @@ def _set_state(session: SessionDep, fed: store.Federation, new: str) -> dict[str
 
 
 @federation.post("/pause", response_model=FederationStateChange, dependencies=[AdminAccess], responses=_ADMIN_ERRORS)
-def pause(session: SessionDep, fed: FederationRow) -> dict[str, Any]:
+def pause(session: WriteSessionDep, fed: FederationToWrite) -> dict[str, Any]:
     """Pause: clients are told to wait and deadlines stop (the aggregator re-reads the state every second)."""
     return _set_state(session, fed, "paused")
 
 
 @federation.post("/resume", response_model=FederationStateChange, dependencies=[AdminAccess], responses=_ADMIN_ERRORS)
-def resume(session: SessionDep, fed: FederationRow) -> dict[str, Any]:
+def resume(session: WriteSessionDep, fed: FederationToWrite) -> dict[str, Any]:
     return _set_state(session, fed, "running")
 
 
@@ -158,7 +159,7 @@ def get_client(state: StateDep, session: SessionDep, fed: FederationRow, client_
 
 
 @clients.post("/{client_id}/revoke", response_model=ClientOut, dependencies=[AdminAccess], responses=_ADMIN_ERRORS)
-def revoke(state: StateDep, session: SessionDep, fed: FederationRow, client_id: ClientId) -> dict[str, Any]:
+def revoke(state: StateDep, session: WriteSessionDep, fed: FederationToWrite, client_id: ClientId) -> dict[str, Any]:
     """Revoke the client's token for good: its next call to the aggregator answers UNAUTHENTICATED."""
     client = store.get_client(session, client_id)
     if client is None or client.federation_id != fed.id:

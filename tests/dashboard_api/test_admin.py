@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -9,7 +10,9 @@ import grpc
 import httpx
 import pytest
 from dashboard_helpers import ADMIN_TOKEN, Federation, start_dashboard
+from sqlalchemy import update
 
+from aggregator_service import store
 from dashboard_api.settings import DashboardSettings
 
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -54,6 +57,33 @@ def test_pause_and_resume_are_honoured_by_the_aggregator(api: httpx.Client, fede
 
     r = api.post("/federation/resume", headers=ADMIN)
     assert r.status_code == 200 and r.json()["state"] == "running"
+    _eventually(lambda: member.task().WhichOneof("kind") == "train", "resumed training")
+
+
+def test_an_admin_action_waits_for_a_write_the_aggregator_commits_meanwhile(
+    api: httpx.Client, federation: Federation
+) -> None:
+    """A pause read the federation in a deferred SQLite transaction and then wrote; when the aggregator committed
+    in between (it writes every round), SQLite refused the write at once (SQLITE_BUSY_SNAPSHOT, no busy wait)
+    and the dashboard answered 503 "unavailable". Another writer here holds the write lock, as a round's close
+    does, and commits while the pause waits: the pause goes through, after it."""
+    writer = store.create_engine_for(federation.url)  # the aggregator's kind of engine
+    answers: list[httpx.Response] = []
+    try:
+        with writer.connect() as conn:
+            tx = conn.begin()
+            conn.execute(update(store.Client).values(last_seen=store.utcnow()))
+            pausing = threading.Thread(target=lambda: answers.append(api.post("/federation/pause", headers=ADMIN)))
+            pausing.start()
+            time.sleep(1.0)  # the pause is waiting now (SQLite) or done (PostgreSQL: no lock between these rows)
+            tx.commit()
+            pausing.join(30)
+    finally:
+        writer.dispose()
+    assert [a.status_code for a in answers] == [200], [a.text for a in answers]
+    assert _state(federation) == "paused"
+    assert api.post("/federation/resume", headers=ADMIN).status_code == 200
+    member = federation.clients[1]  # the next tests need the aggregator to have read "running" back
     _eventually(lambda: member.task().WhichOneof("kind") == "train", "resumed training")
 
 
