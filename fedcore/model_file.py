@@ -73,7 +73,7 @@ def write_model_file(
     At γ = 1 these are the full-rank global tensors; at a tier γ < 1, that tier's factors (the model
     a client of the tier runs), each pair's product then standing for a low-rank layer's plain weight.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     missing = set(spec.names) - set(tensors)
     if missing:
@@ -93,7 +93,7 @@ def write_model_file(
             meta[key] = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(path), metadata=meta)
+    path.write_bytes(save(out, metadata=meta))  # written as any file is: safetensors' save_file makes it 0600
     return path
 
 

@@ -197,7 +197,15 @@ class Closing:
             if done:
                 shared.set_state("done")
         log.info(
-            kv("round_closed", round=plan.round, reason=reason, reported=outcome.reported, cohort=len(plan.cohort))
+            kv(
+                "round_closed",
+                round=plan.round,
+                reason=reason,
+                reported=outcome.reported,
+                cohort=len(plan.cohort),
+                # the server's evaluation on eval_data, where it has one: an operator reading the log sees it
+                **{k: round_metrics[k] for k in ("test_accuracy", "test_loss") if round_metrics.get(k) is not None},
+            )
         )
         return outcome
 

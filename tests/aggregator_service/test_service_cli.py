@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
 import subprocess
 import sys
 import threading
@@ -49,7 +51,12 @@ def test_export_and_revoke(start_service, sqlite_url, tmp_path, capsys) -> None:
     assert "last closed round, 0" in capsys.readouterr().err
     for c in (a, b):
         c.round_trip()
-    assert main(["aggregator", "export", "--round", "1", str(out), "--database-url", sqlite_url]) == 0
+    before = os.umask(0o022)  # the usual: a file a user hands on is readable by others
+    try:
+        assert main(["aggregator", "export", "--round", "1", str(out), "--database-url", sqlite_url]) == 0
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644  # as any file the user writes (safetensors made it 0600)
     exported = load_file(str(out))
     served = global_tensors(sqlite_url)
     for name, (tensor, _version) in served.items():

@@ -135,3 +135,24 @@ def test_a_failing_tick_logs_one_traceback_then_a_counted_line_a_minute_then_its
     assert all("no such table: federations" in line for line in lines[:3]), lines
     assert "\n" not in "".join(lines)
     assert svc.coordinator.state == "running"
+
+
+def test_a_round_closed_line_carries_the_servers_evaluation(sqlite_url, caplog) -> None:
+    """With eval_data the server scores every new model; its round_closed line said only who reported, so an
+    operator reading the log had to open the dashboard for the accuracy. The line now carries the figures the
+    round's metrics row stores, the same numbers (logfmt repr) the dashboard and /metrics show."""
+    from grpc_helpers import register, round_metric, shards, small_federation, start_aggregator
+
+    from aggregator_service import store
+
+    svc = start_aggregator(sqlite_url, small_federation(tiers=[1.0], factorization="none"), eval_data="digits")
+    try:
+        with caplog.at_level(logging.INFO, logger="fedatoms.aggregator"):
+            for client in [register(svc.stub, 1.0, d) for d in shards(2, 60)]:
+                client.round_trip()
+    finally:
+        svc.stop()
+    (line,) = [r.getMessage() for r in caplog.records if "event=round_closed" in r.getMessage()]
+    pairs = dict(_PAIR.findall(line))
+    assert float(pairs["test_accuracy"]) == round_metric(sqlite_url, 1, store.RoundMetrics.test_accuracy)
+    assert float(pairs["test_loss"]) == round_metric(sqlite_url, 1, store.RoundMetrics.test_loss)
