@@ -222,10 +222,11 @@ class Federation:
         return {t.name: self.versions[t.full_name or t.name] for t in self.tier_spec(tier).tensors}
 
     def fetch(self, tier: float, held: Mapping[str, int]) -> dict[str, tuple[Tensor, int]]:
-        """Tensors whose global version is newer than what the client holds."""
+        """Tensors whose global version is not the one the client holds: newer, or older where the federation was
+        restored from a backup taken before the client's last fetch (its tensors are of rounds that no longer are)."""
         versions = self.tier_versions(tier)
         tensors = self.tier_tensors(tier)
-        return {n: (tensors[n], v) for n, v in versions.items() if held.get(n, -1) < v}
+        return {n: (tensors[n], v) for n, v in versions.items() if held.get(n, -1) != v}
 
     def tier_due(self, tier: float, due: Sequence[str]) -> tuple[str, ...]:
         wanted = set(due)

@@ -28,13 +28,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as DatabaseTimeout
 from torch import Tensor
 
 from aggregator_service import request_checks, store
 from aggregator_service.admission import Gate, LatestPerClient
 from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
 from aggregator_service.coordinator import ClientInfo, Coordinator, Done, ModelFetch, OpenRound, PushResult, Train, kv
-from aggregator_service.database_url import unreadable
+from aggregator_service.database_url import driver_says, unreadable
 from aggregator_service.errors import (
     Aborted,
     IncompleteUpdate,
@@ -99,6 +100,11 @@ def _handle(context: grpc.ServicerContext, exc: Exception, method: str) -> NoRet
     if code is not None:  # the client's error, told to the client; at debug level for whoever traces one
         log.debug(kv("rpc_refused", method=method, code=code.name, peer=context.peer(), detail=str(exc)))
         _abort(context, code, str(exc))
+    if isinstance(exc, OperationalError | InterfaceError | DatabaseTimeout):
+        # the database is away (restarting, failing over, a lock held past the busy timeout): the call may
+        # succeed later, so it is UNAVAILABLE, which every client retries; INTERNAL ended the agents
+        log.warning(kv("rpc_unavailable", method=method, error=type(exc).__name__, detail=driver_says(exc)))
+        _abort(context, grpc.StatusCode.UNAVAILABLE, f"the aggregator cannot reach its database ({method}): retry")
     log.exception(kv("rpc_failed", method=method, error=type(exc).__name__))
     _abort(context, grpc.StatusCode.INTERNAL, f"internal error in {method} ({type(exc).__name__}); see the server log")
 

@@ -339,6 +339,15 @@ class Agent:
         task = replace(task, config=on_device(task.config, self.device))
         scaffold = bool(task.strategy.get("scaffold"))
         fetched_bytes = 0
+        if train.round < s.last_round:  # round numbers never repeat: the federation was restored from a backup
+            log.warning(
+                "event=federation_rewound round=%d last_round=%d detail=%s",
+                train.round,
+                s.last_round,
+                json.dumps("the aggregator is behind this client: the whole model is fetched again"),
+            )
+            s.versions.clear()  # what it holds came from rounds the federation no longer has, some numbered alike
+            self._model_round = None
         # round r trains the model round r−1 closed with: the evaluation fetch of r−1 already brought it
         # (no round closes between r−1's close and r's, and r cannot close before this client pushes)
         if scaffold or self._model_round is None or self._model_round < train.round - 1:

@@ -219,7 +219,22 @@ def upgrade(url: str | Engine, revision: str = "head") -> None:
     All pending revisions run in one transaction (DDL is transactional on both backends), so
     a failed migration leaves the schema as it was.
     """
-    _run_with_connection(url, lambda cfg, _conn: command.upgrade(cfg, revision))
+    _run_with_connection(url, lambda cfg, conn: (_check_known(cfg, conn), command.upgrade(cfg, revision)))
+
+
+def _check_known(cfg: Config, conn: Connection) -> None:
+    """A database a newer release migrated (rolled back to this one) is refused in one line; alembic raises
+    "Can't locate revision" from deep inside with a traceback."""
+    from alembic.script import ScriptDirectory
+
+    current = MigrationContext.configure(conn).get_current_revision()
+    script = ScriptDirectory.from_config(cfg)
+    if current is not None and current not in {r.revision for r in script.walk_revisions()}:
+        raise ValueError(
+            f"the database's schema is at {current}, which this release does not know (its newest is "
+            f"{script.get_current_head()}): a newer release migrated it. Run that release, or restore the backup "
+            'taken before its upgrade (docs/deploy.md, "Upgrade")'
+        )
 
 
 def downgrade(url: str | Engine, revision: str) -> None:

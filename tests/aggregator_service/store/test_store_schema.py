@@ -50,6 +50,26 @@ def test_upgrade_creates_every_table_and_is_idempotent(db_url):
     assert _tables(db_url) == TABLES
 
 
+def test_a_schema_a_newer_release_migrated_is_refused_in_one_line(db_url, capsys):
+    """Rolling the code back after an upgrade: `db upgrade` (and the aggregator, which migrates at start) met a
+    revision it does not know with alembic's traceback; it says what happened and what to do, and changes nothing."""
+    from fedatoms.cli import main
+
+    store.upgrade(db_url)
+    engine = store.create_engine_for(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql("UPDATE alembic_version SET version_num = '0099_from_a_newer_release'")
+    finally:
+        engine.dispose()
+    assert main(["db", "upgrade", "--database-url", db_url]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "schema is at 0099_from_a_newer_release, which this release does not know" in err
+    assert f"its newest is {store.head_revision()}" in err and "restore the backup" in err
+    assert store.current_revision(db_url) == "0099_from_a_newer_release" and _tables(db_url) == TABLES
+
+
 def test_migrations_match_the_models(db):
     """Alembic's autogenerate finds nothing to add: the explicit revision and the ORM describe one schema."""
     with db.engine.connect() as conn:
