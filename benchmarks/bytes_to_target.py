@@ -205,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stack-phi", type=int, default=2, help="FedLAMA's φ in the full stack [2]")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config key for every run")
     p.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes [1]")
-    p.add_argument("--plot", default="bytes_to_target.png", help="accuracy against cumulative bytes (PNG)")
+    p.add_argument(
+        "--plot", default="bytes_to_target.png", help="accuracy against cumulative bytes (PNG) [bytes_to_target.png]"
+    )
     p.add_argument(
         "--json", metavar="PATH", help="also write every run's per-round curves and the table's figures (JSON)"
     )
@@ -308,10 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for name, seed, outcome in pool.map(_run, jobs) if args.jobs > 1 else map(_run, jobs):
-            results[(name, seed)] = outcome
+        for done, (name, seed, outcome) in enumerate(pool.map(_run, jobs) if args.jobs > 1 else map(_run, jobs), 1):
+            results[(name, seed)] = outcome  # beside FedAvg's runs a --baseline file brought: they count no run
             print(
-                f"  [{len(results)}/{len(jobs)}, {time.perf_counter() - started:.0f} s] {name} seed {seed}: "
+                f"  [{done}/{len(jobs)}, {time.perf_counter() - started:.0f} s] {name} seed {seed}: "
                 f"last-5 {outcome.last5:.3f}, {_fmt_bytes(outcome.cumulative_bytes[-1])} ({outcome.seconds:.0f} s)",
                 file=sys.stderr,
                 flush=True,
@@ -393,6 +395,8 @@ def _baseline(path: Path, setting: dict[str, Any], seeds: range) -> dict[tuple[s
     """FedAvg's runs for ``seeds`` from a ``--json`` document; refused unless it was written with ``setting``
     (the stack's φ aside: FedAvg does not read it; nor where the dataset's files live), since a target reached
     under another setting means nothing."""
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file (write one with --json)")
     try:
         document = json.loads(path.read_text())
         written, runs = dict(document["setting"]), document["runs"]

@@ -143,18 +143,21 @@ def test_a_baseline_from_an_earlier_json_gives_the_table_a_run_with_fedavg_gives
 ) -> None:
     script = _script(monkeypatch)
 
-    def run(*args: str) -> str:  # in this process: the command itself is run by the tests above
+    def run(*args: str) -> tuple[str, str]:  # in this process: the command itself is run by the tests above
         assert script.main([*SMALL, "--plot", str(tmp_path / "plot.png"), *args]) == 0
-        return capsys.readouterr().out
+        captured = capsys.readouterr()
+        return captured.out, captured.err
 
     configs = ("--configs", "fedhm-1/8,fedhm-1")
-    together = run("--seeds", "2", *configs, "--json", str(tmp_path / "first.json"))
+    together, _ = run("--seeds", "2", *configs, "--json", str(tmp_path / "first.json"))
     # seed 1 alone, FedAvg's runs read from the first file: the same target, the same figures
-    alone = run(
+    alone, progress = run(
         "--seeds", "1", "--first-seed", "1", *configs,
         "--baseline", str(tmp_path / "first.json"), "--json", str(tmp_path / "second.json"),
     )  # fmt: skip
     assert ", 2 runs, " in alone and "FedAvg's runs from" in alone  # only the configurations ran
+    # the progress lines count the runs done (they counted the file's FedAvg run too: [2/2], [3/2])
+    assert re.findall(r"\[(\d+)/(\d+),", progress) == [("1", "2"), ("2", "2")]
     assert _targets(alone) == _targets(together)[1:]
     first = {(r["configuration"], r["seed"]): r for r in json.loads((tmp_path / "first.json").read_text())["runs"]}
     second = {(r["configuration"], r["seed"]): r for r in json.loads((tmp_path / "second.json").read_text())["runs"]}
@@ -181,7 +184,7 @@ def test_a_baseline_of_another_setting_or_without_the_seeds_is_refused(
         (["--rounds", "3", "--lr", "0.05", "--baseline", "fedavg.json"], "rounds 2 there, 3 here"),
         (["--rounds", "2", "--lr", "0.05", "--seeds", "2", "--baseline", "fedavg.json"], "no FedAvg run of seed 1"),
         (["--rounds", "2", "--lr", "0.05", "--baseline", "other.txt"], "not a --json file"),
-        (["--rounds", "2", "--lr", "0.05", "--baseline", "missing.json"], "not a --json file"),
+        (["--rounds", "2", "--lr", "0.05", "--baseline", "missing.json"], "missing.json: no such file"),
         (["--rounds", "2", "--lr", "0.05", "--baseline", "damaged.json"], "not a --json file"),
     ):
         with pytest.raises(SystemExit) as exited:

@@ -98,6 +98,12 @@ def load(shared: Shared) -> None:
             )
         )
         shared.last_ended = int(ended or 0)
+        if shared.config.rounds < shared.last_ended:  # the record would read "3 planned" beside "6 closed"
+            raise ValueError(
+                f"rounds = {shared.config.rounds} is below the {shared.last_ended} rounds federation "
+                f"{settings.federation_name!r} has already ended: rounds only grow (a higher value extends a "
+                f"finished federation). Set rounds ≥ {shared.last_ended}"
+            )
         if row.state == "done" and shared.last_ended < shared.config.rounds:  # rounds raised: it goes on
             row.state = "running"
             log.info(

@@ -198,6 +198,10 @@ def test_a_finished_federation_restarted_with_more_rounds_goes_on(backend, tmp_p
     finally:
         again.stop()
     assert _stored_config(url)["rounds"] == 2  # the dashboard's planned rounds: it read the first start's 1
+    # rounds only grow: 1 below the 2 ended was taken, and the record read "1 planned" beside "2 closed"
+    with pytest.raises(ValueError, match="rounds = 1 is below the 2 rounds federation 'default' has already ended"):
+        start_aggregator(url, small_federation(rounds=1, tiers=[1.0], factorization="atoms"))
+    assert _stored_config(url)["rounds"] == 2
 
 
 def _stored_config(url: str) -> dict:
