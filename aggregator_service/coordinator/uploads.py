@@ -219,5 +219,8 @@ class Uploads:
             else:  # stored by a version that kept no scale, and its round's model is gone: not known (0)
                 scale = 0.0 if shared.settings.update_bounds.clips else 1.0
             return PushResult(True, True, round_, f"duplicate of an update consumed by round {round_}", scale)
-        log.warning(kv("late_push_refused", round=round_, client=client.id, update_id=update_id))
+        with shared.lock:
+            early = round_ > shared.current_round()  # a round not opened yet: no straggler, a confused client
+        event = "early_push_refused" if early else "late_push_refused"
+        log.warning(kv(event, round=round_, client=client.id, update_id=update_id))
         raise refusal
