@@ -14,6 +14,7 @@ import functools
 import logging
 import math
 import signal
+import sqlite3
 import tempfile
 import threading
 import time
@@ -27,7 +28,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as DatabaseTimeout
 from torch import Tensor
 
@@ -91,6 +92,21 @@ def _is_abort(exc: Exception) -> bool:
     return type(exc) is Exception
 
 
+def _database_away(exc: Exception) -> bool:
+    """A database error a retry can outlive: the server or the connection is away (restarting, failing over,
+    refusing connections), the pool is exhausted, or SQLite's file is locked past the busy timeout or cannot be
+    opened. A statement the schema cannot run (a missing table or column) is a bug: INTERNAL, with its traceback."""
+    if isinstance(exc, DatabaseTimeout) or (isinstance(exc, DBAPIError) and exc.connection_invalidated):
+        return True
+    if not isinstance(exc, OperationalError | InterfaceError | sqlite3.OperationalError):
+        return False
+    cause = getattr(exc, "orig", None) or exc
+    if isinstance(cause, sqlite3.Error):
+        said = str(cause).lower()
+        return any(m in said for m in ("database is locked", "database is busy", "unable to open database", "disk i/o"))
+    return True  # PostgreSQL's OperationalError and InterfaceError are the server's or the connection's
+
+
 def _handle(context: grpc.ServicerContext, exc: Exception, method: str) -> NoReturn:
     code: grpc.StatusCode | None = None
     if isinstance(exc, ServiceError):
@@ -100,9 +116,8 @@ def _handle(context: grpc.ServicerContext, exc: Exception, method: str) -> NoRet
     if code is not None:  # the client's error, told to the client; at debug level for whoever traces one
         log.debug(kv("rpc_refused", method=method, code=code.name, peer=context.peer(), detail=str(exc)))
         _abort(context, code, str(exc))
-    if isinstance(exc, OperationalError | InterfaceError | DatabaseTimeout):
-        # the database is away (restarting, failing over, a lock held past the busy timeout): the call may
-        # succeed later, so it is UNAVAILABLE, which every client retries; INTERNAL ended the agents
+    if _database_away(exc):
+        # the call may succeed later, so it is UNAVAILABLE, which every client retries; INTERNAL ended the agents
         log.warning(kv("rpc_unavailable", method=method, error=type(exc).__name__, detail=driver_says(exc)))
         _abort(context, grpc.StatusCode.UNAVAILABLE, f"the aggregator cannot reach its database ({method}): retry")
     log.exception(kv("rpc_failed", method=method, error=type(exc).__name__))

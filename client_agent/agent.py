@@ -339,7 +339,10 @@ class Agent:
         task = replace(task, config=on_device(task.config, self.device))
         scaffold = bool(task.strategy.get("scaffold"))
         fetched_bytes = 0
-        if train.round < s.last_round:  # round numbers never repeat: the federation was restored from a backup
+        # round numbers never repeat, and round r trains a model no round past r − 1 made: a task below the
+        # last round trained, or versions at or past the task's round, mean the federation was restored
+        # from a backup (an agent that kept running across the restore holds the lost rounds' model)
+        if train.round < s.last_round or max(s.versions.values(), default=0) >= train.round:
             log.warning(
                 "event=federation_rewound round=%d last_round=%d detail=%s",
                 train.round,

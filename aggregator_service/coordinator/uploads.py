@@ -220,7 +220,8 @@ class Uploads:
                 scale = 0.0 if shared.settings.update_bounds.clips else 1.0
             return PushResult(True, True, round_, f"duplicate of an update consumed by round {round_}", scale)
         with shared.lock:
-            early = round_ > shared.current_round()  # a round not opened yet: no straggler, a confused client
+            # a round not opened yet (past the last ended one, abandoned too): no straggler, a confused client
+            early = round_ > max(shared.current_round(), shared.last_ended)
         event = "early_push_refused" if early else "late_push_refused"
         log.warning(kv(event, round=round_, client=client.id, update_id=update_id))
         raise refusal
