@@ -209,19 +209,21 @@ def run_grpc_simulation(
             shutil.rmtree(root)
             held = "client state, database" if _inside(database_url, root) else "client state"
             say(f"removed the temporary directory {root} ({held})")
-        else:
-            say(f"kept: client state in {root}")
-        if not _inside(database_url, root) or not temporary:
-            say(f"kept: the database {shown(database_url)}")
+        _say_kept(say, root, database_url, temporary)
     except BaseException:
         if temporary:  # a failed run leaves nothing behind either
             shutil.rmtree(root, ignore_errors=True)
-        else:  # what a refused or failed run leaves in --state-dir is the user's to look at or resume
-            say(f"kept: client state in {root}")
-        if server is None and database_url is not None and (not temporary or not _inside(database_url, root)):
-            say(f"kept: the database {shown(database_url)}")
+        _say_kept(say, root, database_url, temporary)  # a refused or failed run's too: the user's to resume
         raise
     return {"config": out, "rounds": records, "summary": summary}
+
+
+def _say_kept(say: Callable[[str], None], root: Path, database_url: str | None, temporary: bool) -> None:
+    """The run's last lines: what it leaves behind (all but what a temporary directory held)."""
+    if not temporary:
+        say(f"kept: client state in {root}")
+    if database_url is not None and not (temporary and _inside(database_url, root)):
+        say(f"kept: the database {shown(database_url)}")
 
 
 def _inside(database_url: str, root: Path) -> bool:

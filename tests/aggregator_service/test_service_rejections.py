@@ -214,15 +214,21 @@ def test_an_impossible_profile_is_invalid_argument(start_service, request, backe
     assert "finite number ≥ 0" in details
 
 
+def _trained_not_pushed(svc: Any) -> tuple[Client, dict[str, np.ndarray]]:
+    """A tier-1 client of round 1 with its trained update, not pushed; a tier-¼ client beside it, so the push
+    closes nothing."""
+    data = shards(2, 60)
+    a, _ = register(svc.stub, 1.0, data[0]), register(svc.stub, 0.25, data[1])
+    task = a.task()
+    a.fetch()
+    return a, {n: t.numpy() for n, t in a.train(task).tensors.items()}
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_an_update_weighs_no_more_than_its_client_registered(start_service, request, backend) -> None:
     """num_samples = 2^63 − 1 from a client registered with 60 samples would own the average: refused."""
     svc = start_service(request.getfixturevalue(f"{backend}_url"))
-    data = shards(2, 60)
-    a, _ = register(svc.stub, 1.0, data[0]), register(svc.stub, 0.25, data[1])  # two: the push closes nothing
-    task = a.task()
-    a.fetch()
-    tensors = {n: t.numpy() for n, t in a.train(task).tensors.items()}
+    a, tensors = _trained_not_pushed(svc)
     for claim in (2**63 - 1, 61):
         _refused(
             svc.url,
@@ -252,11 +258,7 @@ def test_a_blank_metric_name_a_round_0_report_and_a_near_tier_are_refused_by_nam
     report for round 0 (the initial model, which no round closes) was told to wait for its close, and a
     preferred tier of 0.25000000001 was printed as 0.25, "not one of 1, 0.25"."""
     svc = start_service(request.getfixturevalue(f"{backend}_url"))
-    data = shards(2, 60)
-    a, _ = register(svc.stub, 1.0, data[0]), register(svc.stub, 0.25, data[1])  # two: the push closes nothing
-    task = a.task()
-    a.fetch()
-    tensors = {n: t.numpy() for n, t in a.train(task).tensors.items()}
+    a, tensors = _trained_not_pushed(svc)
     for blank in ("", " "):
         _refused(
             svc.url,
