@@ -21,6 +21,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from aggregator_service.database_url import DatabaseURL
+from aggregator_service.environment import AGGREGATOR_SHARE, DASHBOARD_SHARE, Unread, unread
 from aggregator_service.federation_name import FederationName
 from aggregator_service.held_average import TIER_AVERAGES
 from aggregator_service.intervals import HOLD_COHORT, POLICIES, PROTECT, build_policy, warmup_for
@@ -49,6 +50,7 @@ __all__ = [
     "parse_tiers",
     "recorded_normalization",
     "stored_spec",
+    "unread_environment",
 ]
 
 #: The default enrollment secret: for local demos only, never for a federation reachable by others.
@@ -639,3 +641,9 @@ class StoreTarget(TomlSettings):
 
     database_url: DatabaseURL = AggregatorSettings.model_fields["database_url"].default
     federation_name: FederationName = AggregatorSettings.model_fields["federation_name"].default
+
+
+def unread_environment() -> list[Unread]:
+    """The aggregator's ``FEDATOMS_*`` variables that nothing reads (:mod:`aggregator_service.environment`):
+    the aggregator's share is the prefix less the dashboard's."""
+    return unread(AGGREGATOR_SHARE, AggregatorSettings, other_shares=(DASHBOARD_SHARE,))

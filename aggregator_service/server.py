@@ -34,7 +34,7 @@ from torch import Tensor
 
 from aggregator_service import request_checks, store
 from aggregator_service.admission import Gate, LatestPerClient
-from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings
+from aggregator_service.config import DEMO_ENROLLMENT_SECRET, AggregatorSettings, unread_environment
 from aggregator_service.coordinator import ClientInfo, Coordinator, Done, ModelFetch, OpenRound, PushResult, Train, kv
 from aggregator_service.database_url import driver_says, unreadable
 from aggregator_service.errors import (
@@ -820,6 +820,8 @@ def serve(settings: AggregatorSettings) -> int:
     same database (:func:`aggregator_service.store.exclusive_federation`).
     """
     configure_logging(log_format=settings.log_format)
+    for found in unread_environment():
+        log.warning(kv("unread_environment_variable", name=found.name, did_you_mean=found.did_you_mean))
     reuse_message_buffers()
     try:
         with store.exclusive_federation(settings.database_url, settings.federation_name) as lock:

@@ -39,14 +39,19 @@ def settings_from_args(args: argparse.Namespace) -> Any:
 
 def serve(args: argparse.Namespace) -> int:
     import socket
+    import sys
 
     import uvicorn
     from pydantic import ValidationError
 
+    from aggregator_service.environment import describe
     from aggregator_service.toml_settings import explain
 
     from .app import create_app
+    from .settings import unread_environment
 
+    for found in unread_environment():
+        print(f"warning: {describe(found)}", file=sys.stderr, flush=True)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:

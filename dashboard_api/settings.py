@@ -15,11 +15,12 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from aggregator_service.database_url import DatabaseURL
+from aggregator_service.environment import DASHBOARD_SHARE, Unread, unread
 from aggregator_service.federation_name import FederationName
 from aggregator_service.listen import split_listen
 from aggregator_service.toml_settings import TomlSettings
 
-__all__ = ["DashboardSettings"]
+__all__ = ["DashboardSettings", "unread_environment"]
 
 #: Keys the dashboard shares with the aggregator's settings (top level of its TOML file).
 SHARED_KEYS = ("database_url", "federation_name", "heartbeat_timeout_seconds")
@@ -71,3 +72,8 @@ class DashboardSettings(TomlSettings):
         if not isinstance(table, dict):
             raise ValueError(f"{path}: [dashboard] must be a table")
         return {k: document[k] for k in SHARED_KEYS if k in document} | table
+
+
+def unread_environment() -> list[Unread]:
+    """The dashboard's ``FEDATOMS_DASHBOARD_*`` variables that nothing reads (:mod:`aggregator_service.environment`)."""
+    return unread(DASHBOARD_SHARE, DashboardSettings)

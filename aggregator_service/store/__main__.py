@@ -79,6 +79,12 @@ def main(argv: list[str] | None = None) -> None:
     rev.add_argument("--url", help="database to diff against (default: a scratch SQLite at head)")
     args = parser.parse_args(argv)
 
+    if args.command != "revision":
+        from aggregator_service.config import unread_environment
+        from aggregator_service.environment import describe
+
+        for found in unread_environment():
+            print(f"warning: {describe(found)}", file=sys.stderr)
     default_url = os.environ.get("FEDATOMS_DATABASE_URL", "sqlite:///fedatoms.db")
     if args.command == "upgrade":
         upgrade(args.url or default_url, args.revision)

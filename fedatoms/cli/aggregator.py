@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DB_HELP", "add_parser", "database_url"]
+__all__ = ["DB_HELP", "add_parser", "database_url", "warn_unread_environment"]
 
 DB_HELP = "database URL [FEDATOMS_DATABASE_URL, else sqlite:///fedatoms.db]"
 
@@ -32,12 +32,24 @@ def _store_target(args: argparse.Namespace) -> Any:
     from aggregator_service.config import StoreTarget
     from aggregator_service.toml_settings import explain
 
+    warn_unread_environment()
     try:
         if getattr(args, "config", None) is not None:
             return StoreTarget.from_toml(args.config, database_url=args.database_url)
         return StoreTarget(**({} if args.database_url is None else {"database_url": args.database_url}))
     except ValidationError as exc:
         raise ValueError(f"invalid settings: {explain(exc)}") from exc
+
+
+def warn_unread_environment() -> None:
+    """On stderr, each aggregator ``FEDATOMS_*`` variable nothing reads (:mod:`aggregator_service.environment`)."""
+    import sys
+
+    from aggregator_service.config import unread_environment
+    from aggregator_service.environment import describe
+
+    for found in unread_environment():
+        print(f"warning: {describe(found)}", file=sys.stderr)
 
 
 def database_url(args: argparse.Namespace) -> str:
