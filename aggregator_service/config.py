@@ -62,6 +62,18 @@ DEMO_ENROLLMENT_SECRET = "fedatoms-demo"
 FEDERATION_TRAINING = TrainConfig(batch_size=10)
 
 
+#: Federation keys a strategy reads only if its ``__init__`` takes them: one set for a strategy that does not is
+#: refused, not ignored (the clients would follow it while the server did not), with whose key it is.
+_SETTABLE_KEYS = {
+    "mu": "FedProx's",
+    "global_lr": "SCAFFOLD's",
+    "weighting": "how the server weighs updates",
+    "temperature": "the tier-softmax weighting's",
+    "keep_local_buffers": "what the server does with buffers",
+    "bn_statistics": "how the server pools BatchNorm statistics",
+}
+
+
 @dataclass
 class FederationConfig:
     """What a federation computes; every field is also a TOML key and a CLI flag."""
@@ -297,11 +309,12 @@ class FederationConfig:
         taken = accepts(strategy_class(self.strategy))
         # a key only some strategies take, set for one that does not, would be ignored without a word
         defaults = {f.name: f.default for f in fields(FederationConfig)}
-        for key in ("mu", "global_lr"):
+        for key, whose in _SETTABLE_KEYS.items():
             if key not in taken and offered[key] != defaults[key]:
+                shown = f"{offered[key]:g}" if isinstance(offered[key], float) else repr(offered[key])
                 raise ValueError(
-                    f"{key} = {offered[key]:g} is not used by strategy {self.strategy!r}, whose __init__ takes no "
-                    f"{key!r} ({'FedProx' if key == 'mu' else 'SCAFFOLD'}'s; leave it unset)"
+                    f"{key} = {shown} is not used by strategy {self.strategy!r}, whose __init__ takes no "
+                    f"{key!r} ({whose}; leave it unset)"
                 )
         return {**{k: v for k, v in offered.items() if k in taken}, **self.strategy_args}
 

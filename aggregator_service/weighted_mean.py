@@ -18,7 +18,7 @@ from aggregator_service.updates import ClientUpdate
 
 __all__ = ["WEIGHTINGS", "WeightedMean", "client_weight", "is_float"]
 
-WEIGHTINGS = ("samples", "tier-softmax")
+WEIGHTINGS = ("samples", "tier-softmax", "uniform")
 
 
 def is_float(dtype: torch.dtype) -> bool:
@@ -165,6 +165,8 @@ def client_weight(update: ClientUpdate, weighting: str = "samples", temperature:
       keeps FedAvg's ``n_k`` weighting and tilts it towards larger tiers. ``τ = ∞`` is FedAvg.
       Computed as ``n_k · exp((γ_k − 1)/τ)`` — the common factor ``exp(1/τ)`` cancels in the
       normalization and the shift keeps small temperatures from overflowing.
+    - ``"uniform"``: 1, each client once: the ``(1/|S|) Σ`` of SCAFFOLD, FedDyn and FedDC as published,
+      whose server state is a uniform mean over the clients too.
     """
     if not temperature > 0.0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -175,4 +177,6 @@ def client_weight(update: ClientUpdate, weighting: str = "samples", temperature:
         if weight <= 0.0:
             raise ValueError(f"temperature {temperature:g} is so small that tier {update.tier:g} gets weight 0")
         return weight
+    if weighting == "uniform":
+        return 1.0
     raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")

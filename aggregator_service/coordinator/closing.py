@@ -44,7 +44,7 @@ from fedcore.keys import client_key
 from fedwire.allocator import release_free_memory
 
 from .ledger import Counts, Ledger
-from .restore import load, save_strategy_groups, split_strategy_state
+from .restore import load, save_strategy_groups, split_strategy_state, strategy_population
 from .shared import OpenRound, Shared
 
 __all__ = ["Closing"]
@@ -222,8 +222,8 @@ class Closing:
                     )
                 ).all()
             }
-            if hasattr(fed.strategy, "num_clients_total"):  # SCAFFOLD's, FedDyn's, FedDC's N: clients enrolled now
-                fed.strategy.num_clients_total = max(1, store.count_clients(s, shared.fed_row, include_revoked=False))
+            if hasattr(fed.strategy, "num_clients_total"):  # SCAFFOLD's, FedDyn's, FedDC's N
+                fed.strategy.num_clients_total = strategy_population(s, shared.fed_row)
             fed.begin(plan)
             for header, tensors, deltas in store.iter_round_updates(s, shared.fed_row, plan.round, lazy=True):
                 folded.add((header.client_id, header.update_id))

@@ -27,7 +27,7 @@ from fedcore.datasource import describe
 
 from .shared import OpenRound, Shared, client_keys
 
-__all__ = ["load", "save_strategy_groups", "split_strategy_state"]
+__all__ = ["load", "save_strategy_groups", "split_strategy_state", "strategy_population"]
 
 log = logging.getLogger("fedatoms.aggregator")
 
@@ -75,7 +75,7 @@ def load(shared: Shared) -> None:
             for key in _MUTABLE_CONFIG_KEYS:  # what the dashboard shows as planned follows the configuration
                 if row.config.get(key) != getattr(shared.config, key):
                     row.config = {**row.config, key: getattr(shared.config, key)}
-        total = store.count_clients(s, row, include_revoked=False)
+        total = strategy_population(s, row)
         unread = inert_keys(shared.config.interval_policy, shared.config.tiers)
         predates = {k: v for k, v in KEYS_SINCE.items() if not created and k not in row.config and k not in unread}
         if predates:
@@ -227,3 +227,13 @@ def _load_open_round(s: Session, row: store.Federation, fed: Federation) -> Open
     fed.cohort = plan.cohort
     reported = {keys[c] for c in store.reported_clients(s, row, rnd.number) if c in keys}
     return OpenRound(plan, rnd.deadline, bool(rnd.extended), {k: i for i, k in keys.items()}, reported)
+
+
+def strategy_population(s: Session, row: store.Federation) -> int:
+    """SCAFFOLD's, FedDyn's and FedDC's N: every client the federation enrolled, revoked ones included.
+
+    Their server state is a mean over all clients (``c = (1/N) Σ c_i``), and the sum keeps each client's
+    last contribution, a revoked client's too: the papers' m, which a client that is never sampled again
+    does not change. Counting only the clients enrolled now divided the same sum by fewer.
+    """
+    return max(1, store.count_clients(s, row))

@@ -38,7 +38,7 @@ The hooks, and who calls them (docs/strategies.md has a worked user strategy):
     intervals or step sizes, or ``None``; the federation refuses such a configuration at start.
 ``num_clients_total``
     Optional attribute: when a strategy has it (SCAFFOLD, FedDyn, FedDC divide by ``N``),
-    the service sets it to the clients enrolled before every close.
+    the service sets it to the clients ever enrolled (revoked ones included) before every close.
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ class FedYogi(FedOpt):
         weighting: str = "samples",
         temperature: float = math.inf,
         keep_local_buffers: bool = False,
+        bn_statistics: str = "precise",
     ) -> None:
-        super().__init__(eta, beta_1, beta_2, tau, weighting, temperature, keep_local_buffers)
+        super().__init__(eta, beta_1, beta_2, tau, weighting, temperature, keep_local_buffers, bn_statistics)
 
     def second_moment(self, v: Tensor, delta_sq: Tensor) -> Tensor:
         return v - (1.0 - self.beta_2) * delta_sq * (v - delta_sq).sign()

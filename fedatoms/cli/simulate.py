@@ -134,7 +134,7 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--mu", type=float, help="FedProx proximal weight")
     g.add_argument("--global-lr", type=float, help="SCAFFOLD server step size η_g")
-    g.add_argument("--weighting", choices=["samples", "tier-softmax"])
+    g.add_argument("--weighting", choices=["samples", "tier-softmax", "uniform"])
     g.add_argument("--temperature", type=float, help="FedHM softmax temperature τ (inf = plain FedAvg weights)")
     g.add_argument("--keep-local-buffers", action="store_true", default=None, help="never average BN statistics")
     g.add_argument(

@@ -10,7 +10,7 @@ from strategy_helpers import DIGITS, LENET, TIERS, batch_mean, random_tensors, r
 from torch import Tensor
 
 from aggregator_service.refactorization import refactorize
-from aggregator_service.strategies import FedAvg, FedProx
+from aggregator_service.strategies import STRATEGIES, FedAvg, FedProx
 from aggregator_service.updates import ClientUpdate
 from fedcore.spec import ModelSpec
 
@@ -205,12 +205,40 @@ def test_bn_statistics_is_checked_by_the_strategy() -> None:
 
 
 @pytest.mark.parametrize("mode", ["precise", "running"])
-def test_the_federation_sets_bn_statistics_on_both_sides(mode: str) -> None:
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_the_federation_sets_bn_statistics_on_both_sides(strategy: str, mode: str) -> None:
+    """FedYogi took no ``bn_statistics``: its server pooled the variance while its clients were told to average."""
     from aggregator_service.config import FederationConfig
 
-    config = FederationConfig(model="resnet18", strategy="fedavgm", bn_statistics=mode)
+    config = FederationConfig(model="resnet18", strategy=strategy, bn_statistics=mode)
     assert config.train_config().bn_statistics == mode  # what clients are told to push
     assert config.build_federation(4).strategy.bn_statistics == mode  # how the server combines it
+
+
+class KeepsItsOwnBatchNorm(FedAvg):
+    """A user's strategy whose ``__init__`` takes no ``bn_statistics`` (nor ``weighting``)."""
+
+    def __init__(self, keep_local_buffers: bool = False) -> None:
+        super().__init__(keep_local_buffers=keep_local_buffers)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("bn_statistics", "running", "'running'"),
+        ("weighting", "tier-softmax", "'tier-softmax'"),
+        ("temperature", 2.0, "2"),
+    ],
+)
+def test_a_federation_key_a_users_strategy_does_not_take_is_refused(key: str, value: object, says: str) -> None:
+    from aggregator_service.config import FederationConfig
+
+    reference = "test_fedavg:KeepsItsOwnBatchNorm"
+    with pytest.raises(ValueError, match=f"{key} = {says} is not used by strategy '{reference}', whose __init__"):
+        FederationConfig(model="resnet18", strategy=reference, **{key: value})
+    assert (
+        FederationConfig(model="resnet18", strategy=reference).build_federation(2).strategy.bn_statistics == "precise"
+    )
 
 
 # --------------------------------------------------------------------------- one module at a time

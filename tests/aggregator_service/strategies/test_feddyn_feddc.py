@@ -9,7 +9,7 @@ import torch
 from strategy_helpers import DIGITS, random_tensors, run_round, update
 from torch import Tensor, nn
 
-from aggregator_service.strategies import FedAvg, FedDC, FedDyn, Setting, Strategy
+from aggregator_service.strategies import FedAvg, FedDC, FedDyn, Scaffold, Setting, Strategy
 from fedcore.training import TrainConfig, local_update
 from fedcore.training.terms import LocalTerms
 
@@ -44,6 +44,30 @@ def test_feddc_server_by_hand() -> None:
     assert two_rounds(strategy, controls=True) == pytest.approx([4.0, 6.5])
     assert float(strategy.state_dict()["drift"][NAME][0]) == pytest.approx(1.5)
     assert strategy.client_config() == {"scaffold": True, "feddc_alpha": 0.1}
+
+
+@pytest.mark.parametrize(
+    ("make", "controls", "uniform", "by_samples"),
+    [
+        # N = 2, both report, x = 0 → 1 (10 samples) and 3 (30): the mean is 2 uniformly, 2.5 by samples
+        (lambda w: FedAvg(weighting=w), False, 2.0, 2.5),
+        # Karimireddy et al.: x + η_g (1/|S|) Σ (y − x), η_g = 1
+        (lambda w: Scaffold(2, weighting=w, spec=DIGITS), True, 2.0, 2.5),
+        # Acar et al.: h = −α (1/m) Σ (y − x) = −2α, x = (1/|P|) Σ y − h/α = 2 + 2
+        (lambda w: FedDyn(2, alpha=0.5, weighting=w), False, 4.0, 4.5),
+        # Gao et al.: H = (1/N) Σ (y − x) = 2, x = mean + H
+        (lambda w: FedDC(2, alpha=0.5, weighting=w), True, 4.0, 4.5),
+    ],
+)
+def test_uniform_weighting_is_the_papers_mean_over_the_cohort(make, controls, uniform, by_samples) -> None:
+    """SCAFFOLD, FedDyn and FedDC average the clients' models uniformly in their papers (and their official code);
+    the federation's default weighs by samples, as FedAvg does. ``weighting = "uniform"`` gives the papers' mean."""
+    x = torch.zeros(10)
+    delta = {NAME: torch.zeros(10)} if controls else None
+    ups = [update(DIGITS, {NAME: x + y}, n, f"c{n}", delta) for y, n in ((1.0, 10), (3.0, 30))]
+    for weighting, expected in (("uniform", uniform), ("samples", by_samples)):
+        got = run_round(make(weighting), {NAME: x}, ups).tensors[NAME]
+        torch.testing.assert_close(got, torch.full((10,), expected))
 
 
 def test_feddyn_without_alpha_is_fedavg_bit_for_bit() -> None:
