@@ -77,8 +77,9 @@ def test_client_weight_validation() -> None:
     assert client_weight(u, "tier-softmax", math.inf) == 7.0
     with pytest.raises(ValueError, match="temperature"):
         client_weight(u, "tier-softmax", 0.0)
+    assert client_weight(u, "uniform") == 1.0
     with pytest.raises(ValueError, match="weighting"):
-        client_weight(u, "uniform")
+        client_weight(u, "by-size")
     with pytest.raises(ValueError, match="temperature"):
         FedAvg("tier-softmax", -1.0)
     with pytest.raises(ValueError, match="num_samples"):
