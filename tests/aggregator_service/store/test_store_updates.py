@@ -207,6 +207,10 @@ def test_an_update_id_is_scoped_to_its_client(db, world):
         with pytest.raises(store.UpdateConflict, match="already used for this client's update of round 1"):
             store.store_update(s, world.fed, 2, a, "round-1", 1, {}, _tensors(3))
         assert not store.store_update(s, world.fed, 2, c, "round-1", 1, {}, _tensors(3))[1]
+    # the schema before held one key per federation: a downgrade says which key it cannot hold, and changes nothing
+    with pytest.raises(RuntimeError, match="several clients pushed updates with the id 'round-1'"):
+        store.downgrade(db.url, "0007_update_move_scale")
+    assert store.current_revision(db.url) == store.head_revision()
 
 
 def test_refusals_leave_nothing_behind(db, world):
