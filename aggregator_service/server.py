@@ -308,6 +308,12 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         """Streams serialized ``TensorChunkBatch`` messages, packed from cached entries (:meth:`_entries`)."""
         try:
             client = self._client(context)
+            tensors = len(self.coordinator.federation.tier_spec(client.tier).tensors)
+            if len(request.held) > tensors:  # more than a client can hold: each costs the server a lookup
+                raise InvalidArgument(
+                    f"FetchRequest.held lists {len(request.held)} versions; a client of tier {client.tier:g} holds at "
+                    f"most its model's {tensors} tensors"
+                )
             held = {v.name: v.version for v in request.held}
             round_ = self.coordinator.download_round(request.round if request.HasField("round") else None)
             category = "eval_fetch" if request.purpose == pb.FETCH_PURPOSE_EVALUATE else "train_fetch"

@@ -284,3 +284,23 @@ def test_a_blank_metric_name_a_round_0_report_and_a_near_tier_are_refused_by_nam
         lambda: svc.stub.Register(near),
     )
     assert a.push(1, tensors, metrics={"train_loss": 0.5}).accepted
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_fetch_listing_more_versions_than_the_model_has_tensors_is_refused(start_service, request, backend):
+    """``held`` was bounded only by gRPC's message limit: a 4 MB list of names cost the server a second a call.
+    A client holds at most its tier model's tensors; as many unknown names as that are still ignored."""
+    svc = start_service(request.getfixturevalue(f"{backend}_url"))
+    a, _ = _trained_not_pushed(svc)
+    count = len(a.spec.tensors)
+    unknown = [pb.TensorVersion(name=f"no.such.{i}", version=1) for i in range(count + 1)]
+    _refused(
+        svc.url,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"FetchRequest.held lists {count + 1} versions; a client of tier 1 holds at most its model's {count}",
+        lambda: list(a.stub.FetchModel(pb.FetchRequest(held=unknown), metadata=a.auth)),
+    )
+    names = set()
+    for batch in a.stub.FetchModel(pb.FetchRequest(held=unknown[:count]), metadata=a.auth):
+        names.update(chunk.name for chunk in batch.chunks)
+    assert names == {t.name for t in a.spec.tensors}  # unknown names ignored: the whole model came
