@@ -32,7 +32,14 @@ import torch
 from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS, check_model_allowed
 from client_agent.pacing import ComputeSlot, RoundWatch
 from client_agent.state import ClientState, PendingUpdate, TakenUpdate
-from client_agent.transport import LONG_POLL_SECONDS, AggregatorClient, Stopped, Unauthenticated, task_from_proto
+from client_agent.transport import (
+    LONG_POLL_SECONDS,
+    RETRYABLE,
+    AggregatorClient,
+    Stopped,
+    Unauthenticated,
+    task_from_proto,
+)
 from client_agent.update import ClientEvaluation, evaluate_client, on_device, run_task
 from fedcore.data import check_labels
 from fedcore.model_input import Normalization, fit_to_model, needs_fitting
@@ -576,7 +583,7 @@ class Agent:
             log.error("event=diverged detail=%s", json.dumps(str(exc)))
             return EXIT_CODES["diverged"]
         except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):  # type: ignore[attr-defined]
+            if exc.code() in RETRYABLE:  # type: ignore[attr-defined]  # retried until --give-up-after ran out
                 log.error("event=unreachable detail=%s", json.dumps(exc.details()))  # type: ignore[attr-defined]
                 return EXIT_CODES["unreachable"]
             raise

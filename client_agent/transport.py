@@ -313,14 +313,18 @@ class AggregatorClient:
     def _stopping(self) -> bool:
         return self.stop is not None and self.stop.is_set()
 
-    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
+    def _call(self, what: str, fn: Callable[[], _T], moved: Callable[[], int] | None = None) -> _T:
         """Run ``fn`` until it succeeds, retrying transient failures with backoff; :class:`Stopped` once
-        the stop event is set (the call in flight is cancelled, the wait between attempts ends)."""
+        the stop event is set (the call in flight is cancelled, the wait between attempts ends).
+
+        ``moved``: the bytes a transfer's attempts have moved so far. An attempt that moved some before it
+        failed shows the link up: the failure clock (``give_up_after``) and the backoff start again."""
         failing_since: float | None = None  # the first failure of this call: how long the aggregator is unreachable
         attempt = 0
         while True:
             if self._stopping():
                 raise Stopped(f"{what}: stopped")
+            before = moved() if moved is not None else 0
             try:
                 return fn()
             except grpc.FutureCancelledError as exc:
@@ -341,7 +345,9 @@ class AggregatorClient:
                             "pass --tls-ca CA.pem, the CA bundle that signed the aggregator's certificate"
                         ) from exc
                 # a call that held a long poll or moved a slow upload for a while before it failed was no failure
-                # until then: give_up_after counts from the first failure
+                # until then: give_up_after counts from the first failure, and from the last attempt that moved data
+                if moved is not None and moved() > before:
+                    failing_since, attempt = None, 0
                 if failing_since is None:
                     failing_since = time.monotonic()
                 elapsed = time.monotonic() - failing_since
@@ -488,7 +494,7 @@ class AggregatorClient:
                 received[0] + model.bytes_received + control.bytes_received,
             )
 
-        return self._call("FetchModel", once)
+        return self._call("FetchModel", once, moved=lambda: received[0])
 
     def push(
         self,
@@ -521,12 +527,18 @@ class AggregatorClient:
         nbytes = sum(t.numel() * (2 if fp16 and t.is_floating_point() else t.element_size()) for _, t, _, _ in tensors_)
 
         attempts = [1 if resume else 0]
+        sent = [0]  # bytes handed to gRPC over every attempt
+
+        def counted(messages: Iterator[bytes]) -> Iterator[bytes]:
+            for message in messages:
+                sent[0] += len(message)
+                yield message
 
         def once() -> pb.PushReply:
             start = self._upload_progress(update_id, round_) if attempts[0] else (0, 0)
             attempts[0] += 1
             header.resume = start != (0, 0)
-            messages = framing.push_messages(header, tensors_, fp16=fp16, start=start)
+            messages = counted(framing.push_messages(header, tensors_, fp16=fp16, start=start))
             timeout = self._transfer_timeout(nbytes)
             if self.stop is None:
                 return self._push_update(messages, metadata=self._auth, timeout=timeout)
@@ -536,7 +548,7 @@ class AggregatorClient:
             finally:
                 self._untrack(future)
 
-        return self._call("PushUpdate", once)
+        return self._call("PushUpdate", once, moved=lambda: sent[0])
 
     def _upload_progress(self, update_id: str, round_: int) -> tuple[int, int]:
         """Where a retried push starts: (tensors the server holds whole, bytes of the next); (0, 0) for all."""

@@ -308,3 +308,33 @@ def test_give_up_after_counts_from_the_first_failure_not_from_the_calls_start(tm
             slow.close()
             direct.close()
             proxy.close()
+
+
+@pytest.mark.parametrize("direction", ["down", "up"])
+def test_a_transfer_that_moves_data_between_cuts_never_gives_up(tmp_path: Path, direction: str) -> None:
+    """Every connection drops after 16 MB at 8 MB/s, 2 s an attempt, and the client gives up after 1 s of
+    failures: ResNet-18's 45 MB still arrives in a few attempts. The failure clock ran from the first cut and
+    never stopped, so the second cut, 2 s later, ended the run (``client run``: exit 4, "unreachable") although
+    every attempt moved 16 MB."""
+    rates = {"rate": 8 * 2**20} if direction == "down" else {"up_rate": 8 * 2**20}
+    cuts = {f"cut_{direction}_after": 16 * 2**20}
+    with aggregator(tmp_path, "resnet18") as port:
+        proxy = LinkProxy(port, **rates, **cuts)
+        retries: list[float] = []
+        slow = AggregatorClient(proxy.target, backoff=Backoff(base=0.05, max_elapsed=1.0), sleep=retries.append)
+        direct = AggregatorClient(f"127.0.0.1:{port}")
+        try:
+            spec, slow.token = two_members(direct)
+            task = direct.get_task()
+            reference = direct.fetch(spec, {}, round_=task.train.round)
+            if direction == "down":
+                fetched = slow.fetch(spec, {}, round_=task.train.round)
+                assert all(torch.equal(fetched.model[n][0], t) for n, (t, _) in reference.model.items())
+            else:
+                update = {n: t + 1 if t.is_floating_point() else t for n, (t, _) in reference.model.items()}
+                assert slow.push(task.train.round, "u-cuts", 100, {}, update).accepted
+            assert proxy.cuts >= 2 and len(retries) >= 2
+        finally:
+            slow.close()
+            direct.close()
+            proxy.close()
