@@ -58,8 +58,9 @@ class Ledger:
         self._lock = threading.Lock()
         # moved since the last write: (round, client id, category) → (bytes, FedAvg-equivalent, per full-rank tensor)
         self._counts: dict[TransferKey, tuple[int, int, dict[str, int]]] = {}
-        # (client id, category) → (round, model tensors a cut fetch delivered whole: name → (version, bytes))
+        # (client id, category) → (round, model tensors its fetches handed over whole: name → (version, bytes))
         self._cuts: dict[tuple[str, str], tuple[int, dict[str, tuple[int, int]]]] = {}
+        self._cuts_newest = 0  # the newest round an entry of ``_cuts`` was written for
 
     def download_round(self, requested: int | None) -> int:
         """The round a fetch's bytes count toward: ``requested`` (validated), else the open round, else the last."""
@@ -95,8 +96,9 @@ class Ledger:
 
         ``model`` says what of the model the fetch offered and sent (unset: all it offered went out). A fetch cut
         midway counts the share of a FedAvg transfer it sent (:func:`.metrics.fedavg_equivalent_of_part`), and
-        the tensors it delivered whole are remembered: the client's retry holds them, so the retry counts its
-        share of the model those tensors and it make up: a cut and its resume count what moved, at FedAvg's rate.
+        the tensors every fetch delivered whole are remembered for the round: the client's retry holds those that
+        arrived, so the retry counts its share of the model those tensors and it make up: a cut and its resume
+        count what moved, at FedAvg's rate, also where the server handed the whole model over before the cut.
         A fetch that moved only SCAFFOLD's control is none."""
         round_ = self.download_round(None) if round_ is None else round_
         if model is None:
@@ -114,10 +116,12 @@ class Ledger:
             cut_round, earlier = self._cuts.get(key, (round_, {}))
             earlier = earlier if cut_round == round_ else {}
             kept = sum(b for n, (v, b) in earlier.items() if model.held.get(n) == v and n not in model.offered)
-            if sent < whole:
-                self._cuts[key] = (round_, {**earlier, **delivered})
-            else:
-                self._cuts.pop(key, None)
+            # every fetch's deliveries, not only a cut's: a fetch the server handed over whole may still have been
+            # cut on the way (socket and proxy buffers hold it), and its retry holds only what arrived
+            if round_ > self._cuts_newest:  # entries of rounds before the previous one are read no more
+                self._cuts = {k: entry for k, entry in self._cuts.items() if entry[0] >= round_ - 1}
+                self._cuts_newest = round_
+            self._cuts[key] = (round_, {**earlier, **delivered})
         return fedavg_equivalent_of_part(self.shared.federation.spec, sent, whole + kept)
 
     def count(
