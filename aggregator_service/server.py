@@ -128,6 +128,16 @@ class _CutStream(Exception):
     """A push stream that gRPC ended as finished, on a call that was in fact cut or cancelled."""
 
 
+def _push_reply(result: PushResult) -> pb.PushReply:
+    return pb.PushReply(
+        accepted=result.accepted,
+        duplicate=result.duplicate,
+        round=result.round,
+        message=result.message,
+        move_scale=result.move_scale,
+    )
+
+
 def _header_key(header: pb.PushHeader) -> tuple[int, int, tuple[tuple[str, float], ...]]:
     """What a resumed push must repeat of its first attempt's header."""
     return header.round, header.num_samples, tuple(sorted(header.metrics.items()))
@@ -390,6 +400,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             if not isinstance(first, pb.PushMessage) or first.WhichOneof("payload") != "header":
                 raise InvalidArgument("the first PushMessage must carry the PushHeader (round, update_id, num_samples)")
             header = first.header
+            check_header(header.update_id, header.num_samples, dict(header.metrics))
+            repeated = self.coordinator.stored_already(client, header.round, header.update_id)
+            if repeated is not None:  # its acknowledgement was lost: the rest of the stream is not read
+                return _push_reply(repeated)
             if not self._pushes.enter():
                 raise Unavailable("the aggregator is receiving other clients' updates: retry the push shortly")
             try:
@@ -402,13 +416,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             self._client_pushes.leave(client.id, context)
         if complete is not None:  # this update completed the round: closed with the update's arrays dropped
             self.coordinator.close_complete(complete)
-        return pb.PushReply(
-            accepted=result.accepted,
-            duplicate=result.duplicate,
-            round=result.round,
-            message=result.message,
-            move_scale=result.move_scale,
-        )
+        return _push_reply(result)
 
     def _resumed(self, client: ClientInfo, header: pb.PushHeader) -> KeptUpload | None:
         """The kept part of the push a resumed stream continues; a push sent whole drops what was kept."""

@@ -62,6 +62,7 @@ class Coordinator:
         self.record_download = self.ledger.record_download
         self.push = self.uploads.push
         self.store_update = self.uploads.store
+        self.stored_already = self.uploads.stored_already
         self.close_complete = self.uploads.close_complete
         self.report_evaluation = self.evaluations.report_evaluation
         load(shared)

@@ -186,6 +186,28 @@ class Uploads:
             move_scale = told
         return PushResult(True, duplicate, round_, note, move_scale), complete
 
+    def stored_already(self, client: ClientInfo, round_: int, update_id: str) -> PushResult | None:
+        """A push that repeats an update already stored (its acknowledgement was lost on the way), answered from
+        its header: on a bad link, reading the rest would cost the client its whole upload again. ``None``: not
+        stored (yet), so the push is received as any other; a stored update's round it consumed still answers."""
+        shared = self.shared
+        with Session(shared.reader) as s, s.begin():
+            found = store.retried_update(s, shared.fed_row, round_, client.id, update_id)
+            if found is None:
+                return None
+            scale = found.move_scale
+        if scale is None:  # stored by a version that kept no scale
+            scale = 0.0 if shared.settings.update_bounds.clips else 1.0
+        with shared.lock:
+            still_open = shared.open is not None and shared.open.plan.round == round_
+        log.info(kv("update_stored", round=round_, client=client.id, duplicate=True, from_header=True))
+        note = (
+            "duplicate of an update already stored"
+            if still_open
+            else f"duplicate of an update consumed by round {round_}"
+        )
+        return PushResult(True, True, round_, note, scale)
+
     def _stored(self, client: ClientInfo, round_: int, update_id: str) -> bool:
         shared = self.shared
         with Session(shared.reader) as s, s.begin():
