@@ -400,7 +400,6 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             if not isinstance(first, pb.PushMessage) or first.WhichOneof("payload") != "header":
                 raise InvalidArgument("the first PushMessage must carry the PushHeader (round, update_id, num_samples)")
             header = first.header
-            check_header(header.update_id, header.num_samples, dict(header.metrics))
             repeated = self.coordinator.stored_already(client, header.round, header.update_id)
             if repeated is not None:  # its acknowledgement was lost: the rest of the stream is not read
                 return _push_reply(repeated)

@@ -195,9 +195,7 @@ class Uploads:
             found = store.retried_update(s, shared.fed_row, round_, client.id, update_id)
             if found is None:
                 return None
-            scale = found.move_scale
-        if scale is None:  # stored by a version that kept no scale
-            scale = 0.0 if shared.settings.update_bounds.clips else 1.0
+            told = found.move_scale
         with shared.lock:
             still_open = shared.open is not None and shared.open.plan.round == round_
         log.info(kv("update_stored", round=round_, client=client.id, duplicate=True, from_header=True))
@@ -206,7 +204,16 @@ class Uploads:
             if still_open
             else f"duplicate of an update consumed by round {round_}"
         )
-        return PushResult(True, True, round_, note, scale)
+        return PushResult(True, True, round_, note, self._scale_told(told))
+
+    def _scale_told(self, told: float | None, measured: float | None = None) -> float:
+        """The move scale a duplicate is answered: what its first push was told, else the one just measured, else
+        not known (0) on a clipping server, 1 on one that never clips (a version that kept no scale stored it)."""
+        if told is not None:
+            return told
+        if measured is not None:
+            return measured
+        return 0.0 if self.shared.settings.update_bounds.clips else 1.0
 
     def _stored(self, client: ClientInfo, round_: int, update_id: str) -> bool:
         shared = self.shared
@@ -234,12 +241,7 @@ class Uploads:
         consumed, told = shared.writes.run(write)
         if consumed:
             log.info(kv("update_stored", round=round_, client=client.id, duplicate=True, consumed=True))
-            if told is not None:  # what its push was told, and its round's fold applied
-                scale = told
-            elif move_scale is not None:
-                scale = move_scale
-            else:  # stored by a version that kept no scale, and its round's model is gone: not known (0)
-                scale = 0.0 if shared.settings.update_bounds.clips else 1.0
+            scale = self._scale_told(told, move_scale)  # what its push was told, and its round's fold applied
             return PushResult(True, True, round_, f"duplicate of an update consumed by round {round_}", scale)
         with shared.lock:
             # a round not opened yet (past the last ended one, abandoned too): no straggler, a confused client

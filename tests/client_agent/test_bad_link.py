@@ -44,12 +44,15 @@ def aggregator(tmp_path: Path, model: str) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def cut_link(port: int, **cuts: int) -> Iterator[tuple[LinkProxy, AggregatorClient, AggregatorClient, list[float]]]:
-    """A link that drops every connection where ``cuts`` say (LinkProxy), a client on it that retries at once,
-    a client on the direct link, and the cut client's waits between retries; all closed at the end."""
-    proxy = LinkProxy(port, **cuts)
+def cut_link(
+    port: int, give_up_after: float = 60, **link: int
+) -> Iterator[tuple[LinkProxy, AggregatorClient, AggregatorClient, list[float]]]:
+    """A link that drops every connection where ``link`` says (LinkProxy's cuts and rates), a client on it that
+    retries at once and gives up after ``give_up_after`` s of failures, a client on the direct link, and the cut
+    client's waits between retries; all closed at the end."""
+    proxy = LinkProxy(port, **link)
     retries: list[float] = []
-    cut = AggregatorClient(proxy.target, backoff=Backoff(base=0.05, max_elapsed=60), sleep=retries.append)
+    cut = AggregatorClient(proxy.target, backoff=Backoff(base=0.05, max_elapsed=give_up_after), sleep=retries.append)
     direct = AggregatorClient(f"127.0.0.1:{port}")
     try:
         yield proxy, cut, direct, retries
@@ -316,14 +319,10 @@ def test_a_transfer_that_moves_data_between_cuts_never_gives_up(tmp_path: Path, 
     failures: ResNet-18's 45 MB still arrives in a few attempts. The failure clock ran from the first cut and
     never stopped, so the second cut, 2 s later, ended the run (``client run``: exit 4, "unreachable") although
     every attempt moved 16 MB."""
-    rates = {"rate": 8 * 2**20} if direction == "down" else {"up_rate": 8 * 2**20}
-    cuts = {f"cut_{direction}_after": 16 * 2**20}
+    rate = {"rate": 8 * 2**20} if direction == "down" else {"up_rate": 8 * 2**20}
     with aggregator(tmp_path, "resnet18") as port:
-        proxy = LinkProxy(port, **rates, **cuts)
-        retries: list[float] = []
-        slow = AggregatorClient(proxy.target, backoff=Backoff(base=0.05, max_elapsed=1.0), sleep=retries.append)
-        direct = AggregatorClient(f"127.0.0.1:{port}")
-        try:
+        link = cut_link(port, give_up_after=1.0, **rate, **{f"cut_{direction}_after": 16 * 2**20})
+        with link as (proxy, slow, direct, retries):
             spec, slow.token = two_members(direct)
             task = direct.get_task()
             reference = direct.fetch(spec, {}, round_=task.train.round)
@@ -334,10 +333,6 @@ def test_a_transfer_that_moves_data_between_cuts_never_gives_up(tmp_path: Path, 
                 update = {n: t + 1 if t.is_floating_point() else t for n, (t, _) in reference.model.items()}
                 assert slow.push(task.train.round, "u-cuts", 100, {}, update).accepted
             assert proxy.cuts >= 2 and len(retries) >= 2
-        finally:
-            slow.close()
-            direct.close()
-            proxy.close()
 
 
 def test_a_retry_of_an_update_already_stored_is_answered_from_its_header(tmp_path: Path) -> None:
