@@ -24,7 +24,7 @@ from aggregator_service.database_url import DatabaseURL
 from aggregator_service.environment import AGGREGATOR_SHARE, DASHBOARD_SHARE, Unread, unread
 from aggregator_service.federation_name import FederationName
 from aggregator_service.held_average import TIER_AVERAGES
-from aggregator_service.intervals import HOLD_COHORT, POLICIES, PROTECT, build_policy, warmup_for
+from aggregator_service.intervals import HOLD_COHORT, POLICIES, PROTECT, SLOW_TENSORS, build_policy, warmup_for
 from aggregator_service.listen import is_loopback, split_listen
 from aggregator_service.refactorization import TIER_INITS
 from aggregator_service.rounds import CohortSampler, Federation
@@ -122,6 +122,9 @@ class FederationConfig:
     frobenius_decay: float = FEDERATION_TRAINING.frobenius_decay
     interval_policy: str = "every_round"
     beta: float = 0.2
+    #: the fixed policy's slow tensors: "coefficients" (the paper's §4.2) or "all_but_atoms" (its §6.4: atoms
+    #: every round, the whole model every 1/β rounds)
+    slow_tensors: str = "coefficients"
     tau: int = 1
     phi: int = 2
     # FedLAMA: relax nothing before this round (the official code's first adjustment follows 6 τ' rounds;
@@ -183,6 +186,8 @@ class FederationConfig:
         self.strategy_params(num_clients_total=1)  # a key the strategy would ignore is refused here, at start
         if not math.isinf(self.temperature) and self.weighting != "tier-softmax":
             raise ValueError("--temperature only applies with --weighting tier-softmax")
+        if self.slow_tensors not in SLOW_TENSORS:
+            raise ValueError(f"slow_tensors must be one of {', '.join(SLOW_TENSORS)}, got {self.slow_tensors!r}")
         if self.lama_protect not in PROTECT:
             raise ValueError(f"lama_protect must be one of {', '.join(PROTECT)}, got {self.lama_protect!r}")
         if self.tier_init not in TIER_INITS:
@@ -320,7 +325,7 @@ class FederationConfig:
 
     def policy_params(self) -> dict[str, Any]:
         if self.interval_policy == "fixed":
-            return {"beta": self.beta}
+            return {"beta": self.beta, "slow_roles": SLOW_TENSORS[self.slow_tensors]}
         if self.interval_policy == "fedlama":
             return {
                 "tau_base": self.tau,
@@ -379,7 +384,7 @@ def parse_tiers(tiers: Any) -> list[float]:
 
 #: the keys only one interval policy reads
 POLICY_KEYS: dict[str, tuple[str, ...]] = {
-    "fixed": ("beta",),
+    "fixed": ("beta", "slow_tensors"),
     "fedlama": ("tau", "phi", "warmup_rounds", "lama_warmup", "hold_cohort", "lama_protect"),
 }
 

@@ -53,6 +53,7 @@ __all__ = [
     "LAMA_WARMUPS",
     "POLICIES",
     "PROTECT",
+    "SLOW_TENSORS",
     "EveryRound",
     "FedLAMA",
     "FixedSchedule",
@@ -70,6 +71,13 @@ __all__ = [
 STATE_FORMAT = 1
 # The decomposition paper's slow tensors are the atom coefficients (full-rank role and its tier factors).
 DEFAULT_SLOW_ROLES: tuple[str, ...] = ("coefficients", "coefficients_u", "coefficients_v")
+#: What the fast/slow protocol sends every 1/β rounds: the atom coefficients (the paper's §4.2, the default), or
+#: every tensor but the atoms (its §6.4, "communicates filter atoms every round but transmits whole models every
+#: 2nd, 5th, or 10th round"): only then does a round between syncs move the atoms alone, the cost ≈ β of App. F.
+SLOW_TENSORS: dict[str, tuple[str, ...]] = {
+    "coefficients": DEFAULT_SLOW_ROLES,
+    "all_but_atoms": tuple(r for r in ROLES if r != "atoms"),
+}
 
 
 # -- helpers -----------------------------------------------------------------------------------

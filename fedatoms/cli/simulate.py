@@ -145,7 +145,13 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--frobenius-decay", type=float, help="FedHM Frobenius decay λ on low-rank factors")
     g.add_argument("--interval-policy", choices=["every_round", "fixed", "fedlama"])
-    g.add_argument("--beta", type=float, help="fixed policy: coefficients every 1/β rounds")
+    g.add_argument("--beta", type=float, help="fixed policy: the slow tensors every 1/β rounds")
+    g.add_argument(
+        "--slow-tensors",
+        choices=["coefficients", "all_but_atoms"],
+        help="fixed policy: what goes every 1/β rounds, the coefficients (the paper's §4.2; default) or every "
+        "tensor but the atoms (its §6.4: the whole model)",
+    )
     g.add_argument("--tau", type=int, help="FedLAMA base interval τ' in rounds")
     g.add_argument("--phi", type=int, help="FedLAMA interval factor φ")
     g.add_argument("--warmup-rounds", type=int, help="FedLAMA: no interval adjustment at or before this round [6]")

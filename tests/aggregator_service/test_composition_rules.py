@@ -124,6 +124,7 @@ def test_fedlama_relaxes_nothing_in_its_warmup_at_phi_4() -> None:
         ({}, "warmup_rounds", 0, "only the fedlama interval policy reads it"),
         ({}, "lama_warmup", "rounds", "only the fedlama interval policy reads it"),
         ({}, "lama_protect", "none", "only the fedlama interval policy reads it"),
+        ({}, "slow_tensors", "all_but_atoms", "only the fixed interval policy reads it"),
         ({"interval_policy": "fedlama"}, "beta", 0.5, "only the fixed interval policy reads it"),
         ({"factorization": "atoms", "interval_policy": "fixed"}, "tau", 2, "only the fedlama interval policy"),
         ({}, "tier_init", "truncated", "it cuts tiers below 1, and every tier is 1"),
@@ -146,11 +147,27 @@ def test_an_unknown_policy_is_named_before_the_keys_it_would_read() -> None:
 
 
 def test_a_key_the_method_reads_is_taken() -> None:
-    assert SimulationConfig(factorization="atoms", interval_policy="fixed", beta=0.5).policy_params() == {"beta": 0.5}
+    fixed = SimulationConfig(factorization="atoms", interval_policy="fixed", beta=0.5).policy_params()
+    assert fixed == {"beta": 0.5, "slow_roles": ("coefficients", "coefficients_u", "coefficients_v")}
     assert SimulationConfig(interval_policy="fedlama", phi=4, warmup_rounds=0).policy_params()["phi"] == 4
     mixed = SimulationConfig(factorization="lowrank", tiers=[1.0, 0.125], tier_average="aligned", tier_training="own")
     assert (mixed.tier_average, mixed.nested_rank_ratio) == ("aligned", None)
     assert SimulationConfig(factorization="lowrank", tiers=[0.125], tier_init="truncated").tier_init == "truncated"
+
+
+def test_the_papers_whole_model_fast_slow_moves_the_atoms_alone_between_syncs() -> None:
+    """The decomposition paper's §6.4: atoms every round, the whole model every 1/β rounds. Digits CNN with
+    atoms, β = ½, 3 clients a round: round 1 pushes and re-fetches two convs' 9 atoms of 3 × 3 in fp32,
+    2 · 9 · 9 · 4 = 648 bytes a client, and round 2 the whole model (605,872 bytes a client, as FedAvg's);
+    with the coefficients slow (§4.2) round 1 also moves the biases, fc1 and the head."""
+    common = {"factorization": "atoms", "interval_policy": "fixed", "beta": 0.5, "rounds": 2, "clients": 6}
+    common |= {"fraction": 0.5, "local_epochs": 1}
+    whole = run_simulation(SimulationConfig(**common, slow_tensors="all_but_atoms"))["rounds"]
+    assert [(r["bytes_push"], r["bytes_eval_fetch"]) for r in whole] == [(3 * 648, 3 * 648), (3 * 605_872,) * 2]
+    coefficients = run_simulation(SimulationConfig(**common))["rounds"]
+    assert coefficients[0]["bytes_push"] > 3 * (4 * 128 * 1024)  # fc1 goes every round
+    with pytest.raises(ValueError, match="slow_tensors must be one of coefficients, all_but_atoms"):
+        SimulationConfig(**common, slow_tensors="atoms")
 
 
 def test_an_unknown_lama_warmup_is_refused_naming_the_choices() -> None:
