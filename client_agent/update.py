@@ -14,9 +14,10 @@ from tqdm import tqdm
 
 from client_agent.state import ClientState
 from fedcore.spec import ModelSpec
-from fedcore.training import Dataset, TrainConfig, evaluate, local_update, personalized_model
+from fedcore.training import Dataset, TrainConfig, evaluate, local_update
 from fedcore.training.finetune import fine_tune
 from fedcore.training.nested import nested_cut
+from fedcore.training.personal import personal_evaluation_model
 from fedcore.training.personalization import SPLITS, personal_tensors
 from fedcore.training.terms import LocalTerms
 
@@ -171,7 +172,9 @@ def evaluate_client(
     glob = evaluate(model, test_data, device=config.device)
     personal = None
     if state.personal_atoms is not None:
-        personal = evaluate(personalized_model(model, state.personal_atoms), test_data, device=config.device).accuracy
+        seed = 0 if state.last_seed is None else state.last_seed
+        tuned = personal_evaluation_model(model, state.personal_atoms, train_data, config, seed)
+        personal = evaluate(tuned, test_data, device=config.device).accuracy
     elif state.personal_model is not None:
         model.load_state_dict({**state.global_tensors, **state.local, **state.personal_model})
         personal = evaluate(model, test_data, device=config.device).accuracy

@@ -140,3 +140,46 @@ def test_on_device_is_the_clients_device_where_it_names_one_else_the_tasks() -> 
     assert on_device(task_config, None) is task_config
     assert on_device(task_config, "cpu") == replace(task_config, device="cpu")
     assert on_device(replace(task_config, device="cpu"), "cuda:1").device == "cuda:1"
+
+
+def test_personal_atoms_under_batchnorm_are_evaluated_with_statistics_of_their_own_filters(monkeypatch) -> None:
+    """A BatchNorm after every atom conv makes a network blind to its filters' scale once each BN's statistics
+    are those of its own filters: personal atoms 7× the global ones then compute the global model's function.
+    The received statistics are the global filters', and with them the 7× filters' activations are off at
+    every layer (VGG-11 with BN, a user's model; 3-channel 32×32 images made from digits)."""
+    from pathlib import Path
+
+    from fedcore.data import ArrayDataset
+    from fedcore.training.batchnorm import recompute_statistics
+    from fedcore.training.loop import Batches
+    from fedcore.training.personal import personal_evaluation_model
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "aggregator_service"))
+    spec = ModelSpec("user_models:cifar_vgg11_bn", 10, "atoms", model_args={"width": 8}, input_shape=(3, 32, 32))
+    train, test = load_dataset("digits")
+
+    def images(data, n: int) -> ArrayDataset:
+        x = F.interpolate(data.x[:n], size=32, mode="nearest").repeat(1, 3, 1, 1)
+        return ArrayDataset(x.contiguous(), data.y[:n].clone(), 10, "digits32")
+
+    train32, test32 = images(train, 64), images(test, 40)
+    config = TrainConfig(batch_size=16, device="cpu")
+    torch.manual_seed(0)
+    model = spec.build()
+    recompute_statistics(model, Batches(train32, torch.device("cpu")), config.batch_size, seed=0)  # its own
+    atoms = {n: 7.0 * t for n, t in model.state_dict().items() if n.endswith(".atoms")}
+    assert len(atoms) == 8  # every conv of VGG-11, each followed by its BatchNorm
+    personal = personal_evaluation_model(model, atoms, train32, config, seed=0)
+    model.eval(), personal.eval()
+    with torch.no_grad():
+        expected, got = model(test32.x), personal(test32.x)
+    assert torch.allclose(got, expected, rtol=1e-3, atol=1e-4 * float(expected.abs().max()))
+
+    state = ClientState("c0", 1.0)
+    state.receive({n: (t.clone(), 0) for n, t in model.state_dict().items()})
+    state.personal_atoms = atoms
+    state.last_config, state.last_seed = config.to_dict(), 0  # as its last round trained: the same minibatches
+    evaluation = evaluate_client(state, spec, test32, train32, device="cpu")
+    assert evaluation.personalized_accuracy == evaluation.global_accuracy
+    with pytest.raises(ValueError, match="needs the client's training data"):
+        evaluate_client(state, spec, test32, device="cpu")

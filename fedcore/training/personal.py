@@ -13,10 +13,18 @@ import torch
 from torch import Tensor, nn
 
 from fedcore.layers import AtomConv2d
+from fedcore.training.batchnorm import batchnorm_layers, recompute_statistics
 from fedcore.training.config import TrainConfig
-from fedcore.training.loop import Batches, Dataset, phase, resolve_device
+from fedcore.training.loop import Batches, Dataset, phase, resolve_device, seeded
 
-__all__ = ["atom_names", "check_personal_atoms", "personalized_model", "train_personal", "train_personal_atoms"]
+__all__ = [
+    "atom_names",
+    "check_personal_atoms",
+    "personal_evaluation_model",
+    "personalized_model",
+    "train_personal",
+    "train_personal_atoms",
+]
 
 # Decorrelates the personal phase's shuffling from the global phase's (same client seed).
 _PERSONAL_SEED_OFFSET = 0x9E3779B97F4A7C15
@@ -55,6 +63,27 @@ def personalized_model(model: nn.Module, personal_atoms: Mapping[str, Tensor]) -
     with torch.no_grad():
         for name, atoms in personal_atoms.items():
             params[name].copy_(atoms)
+    return personal
+
+
+def personal_evaluation_model(
+    model: nn.Module, personal_atoms: Mapping[str, Tensor], train_data: Dataset | None, config: TrainConfig, seed: int
+) -> nn.Module:
+    """:func:`personalized_model` ready to evaluate, on the config's device. The BatchNorm statistics the
+    received model carries describe the global filters, not the coefficients × the client's atoms (their scale
+    alone can differ by any factor), so a model with BatchNorm gets them recomputed for its own filters over
+    the client's training split, as ``bn_statistics = "precise"`` does for a pushed model."""
+    personal = personalized_model(model, personal_atoms)
+    device = resolve_device(config.device)
+    personal.to(device)
+    if batchnorm_layers(personal):
+        if train_data is None:
+            raise ValueError(
+                "personal atoms with BatchNorm are evaluated with statistics recomputed for the personal filters: "
+                "that needs the client's training data"
+            )
+        with seeded(seed, device):
+            recompute_statistics(personal, Batches(train_data, device), config.batch_size, seed)
     return personal
 
 
