@@ -141,6 +141,36 @@ def test_round_records_have_the_documented_fields_and_bytes_add_up():
     json.dumps(results)  # serializable
 
 
+@pytest.mark.parametrize(
+    ("strategy", "args", "latent"),
+    [
+        ("fedavg", {}, 6),
+        ("fedprox", {}, 6),
+        ("scaffold", {}, 6),  # η_g = 1: FedAvg's mean, then the controls
+        ("scaffold", {"global_lr": 0.5}, 0),
+        ("fedavgm", {}, 0),
+        ("fedadam", {}, 0),
+        ("fedmedian", {}, 0),
+        ("feddyn", {}, 0),
+        ("feddc", {}, 0),
+    ],
+)
+def test_latent_clients_are_counted_only_where_the_server_keeps_the_mean(
+    strategy: str, args: dict, latent: int
+) -> None:
+    """The paper's m² − m latent clients are the cross terms of ᾱ × D̄ (eq. 8): a server that keeps its mean
+    of atoms and of coefficients. A median, a server optimizer's step or FedDyn's and FedDC's corrections keep
+    another model, with no such expansion: neither latent clients nor the dispersion around ᾱ × D̄ is theirs."""
+    shared = {"atom_lr": "shared"} if strategy in ("scaffold", "feddc") else {}  # their controls need one rate
+    config = SimulationConfig(
+        factorization="atoms", strategy=strategy, rounds=1, clients=6, fraction=0.5, local_epochs=1, **args, **shared
+    )
+    (record,) = run_simulation(config)["rounds"]
+    assert record["reported"] == 3
+    assert record["latent_clients"] == latent  # 3 clients: 3² − 3
+    assert bool(record["effective_dispersion"]) == bool(latent)
+
+
 def test_partial_fetch_moves_only_changed_tensors():
     """With FedLAMA cohorts, a client that keeps its cohort downloads only what was aggregated.
 

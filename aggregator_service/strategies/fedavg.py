@@ -138,6 +138,15 @@ class FedAvg(Strategy):
         acc.tensors.add(second_moments(aligned) if self.bn_statistics == "precise" else aligned, weight, part=True)
         acc.filters.add(effective_filters(aligned), weight, part=True)
 
+    @property
+    def keeps_the_mean(self) -> bool:
+        """Whether the new global tensors are the clients' weighted mean, as FedAvg's are. Only then is an atom
+        layer's new model ``ᾱ × D̄``, whose cross terms ``p_k1 p_k2 α_k1 D_k2`` are the decomposition paper's
+        latent clients (eq. 8) and around which its effective dispersion is measured. A class that overrides
+        :meth:`new_value` or :meth:`finish` is taken to change the aggregate unless it says otherwise here."""
+        cls = type(self)
+        return cls.new_value is FedAvg.new_value and cls.finish is FedAvg.finish
+
     def new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
         """The new global value of a parameter from the clients' weighted mean (cast to the tensor's dtype,
         and in float64).
@@ -171,7 +180,7 @@ class FedAvg(Strategy):
         filters = acc.filters.mean(cast=False)
         filter_dispersion = acc.filters.dispersion()
         effective: dict[str, float] = {}
-        for module, filter_mean in filters.items():
+        for module, filter_mean in filters.items() if self.keeps_the_mean else ():
             prefix = f"{module}." if module else ""
             a_name, d_name = f"{prefix}coefficients", f"{prefix}atoms"
             w = acc.filters.weight(module)

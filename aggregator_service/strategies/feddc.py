@@ -65,6 +65,10 @@ class FedDC(DriftFold, Scaffold):
     def _accumulator(self, due: tuple[str, ...], shapes: dict[str, tuple[int, ...]]) -> RoundAccumulator:
         return DriftAccumulator(due, shapes)
 
+    @property
+    def keeps_the_mean(self) -> bool:
+        return False  # the mean plus the drift
+
     def finish(self, acc: RoundAccumulator, global_tensors: Mapping[str, Tensor]) -> AggregateResult:
         if not isinstance(acc, DriftAccumulator):
             raise TypeError(f"{type(self).__name__}.finish needs the accumulator its begin returned")

@@ -85,6 +85,10 @@ class FedDyn(DriftFold, FedAvg):
             raise ValueError(f"client {update.client_id}: {self.name} needs full-rank (γ = 1) clients")
         super().fold(acc, update)
 
+    @property
+    def keeps_the_mean(self) -> bool:
+        return self.alpha == 0  # h ≡ 0: FedAvg
+
     def finish(self, acc: RoundAccumulator, global_tensors: Mapping[str, Tensor]) -> AggregateResult:
         if not isinstance(acc, DriftAccumulator):
             raise TypeError(f"{type(self).__name__}.finish needs the accumulator its begin returned")

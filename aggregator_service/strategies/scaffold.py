@@ -135,6 +135,10 @@ class Scaffold(FedAvg):
         super().fold(acc, update)
         acc.controls.add(update.control_delta, 1.0)
 
+    @property
+    def keeps_the_mean(self) -> bool:
+        return self.global_lr == 1.0  # its finish adds the controls, and η_g = 1 keeps FedAvg's mean
+
     def new_value(self, name: str, mean: Tensor, mean64: Tensor, current: Tensor) -> Tensor:
         if self.global_lr == 1.0 or not is_float(current.dtype):
             return mean  # η_g = 1 returns FedAvg's value bit for bit
