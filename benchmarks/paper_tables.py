@@ -9,7 +9,8 @@ splits, mean of the last 5 rounds. Every cell is the mean ± standard deviation 
 
     OMP_NUM_THREADS=1 nice python benchmarks/paper_tables.py              # digits, 10 clients × 2 classes
     python benchmarks/paper_tables.py --rounds 20 --seeds 5 --table personal
-    python benchmarks/paper_tables.py --dataset cifar10 --data-dir DIR --clients 100 --rounds 200 --local-epochs 10
+    python benchmarks/paper_tables.py --dataset cifar10 --data-dir DIR --clients 100 --fraction 0.1 --rounds 200 \
+        --local-epochs 10 --num-atoms 9 --atom-lr shared                    # the paper's setting
 
 The paper's hyper-parameters where it states them: SGD lr 0.01, momentum 0.9, batch 10; FedProx
 μ = 0.0001; FedDyn α = 0.01; Ditto λ = 0.75; FT 10 epochs; FedRep 10 head epochs + the local
@@ -75,12 +76,14 @@ def _config(args: argparse.Namespace, seed: int, **switches: Any) -> SimulationC
         seed=seed,
     )
     base.update(switches)
+    if base.get("factorization") == "atoms":  # the atoms' own settings: keys the plain rows never read
+        base.update({k: v for k, v in (("num_atoms", args.num_atoms), ("atom_lr", args.atom_lr)) if v is not None})
     if base.get("strategy") == "fedprox":
         base["mu"] = 1e-4  # the paper's μ (refused for the strategies that take none)
     try:
         return SimulationConfig(**base)
     except ValueError as exc:
-        if "atom_lr" not in str(exc):
+        if "atom_lr" not in str(exc) or args.atom_lr is not None:  # a rate asked for is never replaced
             raise
         return SimulationConfig(**{**base, "atom_lr": "shared"})  # e.g. SCAFFOLD's one rate (stated in the notes)
 
@@ -94,7 +97,7 @@ def _measure(args: argparse.Namespace, key: str, **switches: Any) -> tuple[list[
             config = _config(args, seed, **switches)
         except ValueError as exc:
             return [], f"refused: {exc}"
-        if config.atom_lr == "shared" and "atom_lr" not in switches:
+        if config.atom_lr == "shared" and "atom_lr" not in switches and args.atom_lr is None:
             note = "atom_lr = shared: its strategy takes one learning rate for every tensor (docs/strategies.md)"
         try:
             values.append(run_simulation(config)["summary"][key])
@@ -124,7 +127,7 @@ def _table(title: str, column: str, rows: list[tuple[str, Callable[[], tuple[lis
         print(f"- {note}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dataset", default="digits")
     parser.add_argument("--data-dir")
@@ -140,16 +143,32 @@ def main(argv: list[str] | None = None) -> int:
         help="personal atoms', FT's and Ditto's epochs (the paper: 10 FT)",
     )
     parser.add_argument("--head-epochs", type=int, default=10, help="FedRep's head epochs (the paper: 10)")
+    parser.add_argument(
+        "--num-atoms",
+        type=int,
+        help="atoms per conv in the rows with atoms (the paper: 9 for every conv, 5×5 ones included) [k² a k×k conv]",
+    )
+    parser.add_argument(
+        "--atom-lr",
+        choices=["shared", "scaled", "preconditioned"],
+        help="the atoms' and coefficients' step in the rows with atoms (the paper: shared, one rate for every "
+        "tensor) [fedatoms' default, preconditioned; shared where a strategy takes one rate only]",
+    )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--table", choices=["global", "personal", "both"], default="both")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     column = f"{args.dataset} ({args.clients},{args.classes_per_client})"
     started = time.perf_counter()
     print(
         f"{args.dataset}, {args.clients} clients × {args.classes_per_client} classes, {args.fraction:g} per round, "
         f"{args.rounds} rounds, E = {args.local_epochs}, seeds 0..{args.seeds - 1}; accuracy (%) mean ± std over "
-        f"seeds of the mean of the last {min(5, args.rounds)} rounds"
+        f"seeds of the mean of the last {min(5, args.rounds)} rounds; with atoms: "
+        f"{'k²' if args.num_atoms is None else args.num_atoms} atoms per conv, atom_lr {args.atom_lr or 'default'}"
     )
     if args.table in ("global", "both"):
         present = [s for s in PAPER_STRATEGIES if s in STRATEGIES]
