@@ -328,6 +328,8 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             round_ = self.coordinator.download_round(request.round if request.HasField("round") else None)
             category = "eval_fetch" if request.purpose == pb.FETCH_PURPOSE_EVALUATE else "train_fetch"
             model, control = self.coordinator.fetch(client, held, request.include_server_control)
+            # a tensor the client holds in part (a fetch cut midway through it) goes on where it broke off
+            resumed = self._resumed_fetch(client, request.resume, model) if request.HasField("resume") else {}
         except Exception as exc:
             if _is_abort(exc):
                 raise
@@ -335,10 +337,16 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 self.tarpit.refused(context.peer())
             _handle(context, exc, "FetchModel")
         sent: dict[str, int] = {}
+
+        def tensor_entries(kind: int, name: str, tensor: Tensor, version: int) -> tuple[tuple[bytes, int], ...]:
+            all_of_it = self._entries(client.tier, kind, name, tensor, version)
+            start = resumed.get(name, 0) if kind == pb.TENSOR_KIND_MODEL else 0
+            return all_of_it[start // codec.CHUNK_BYTES :] if start else all_of_it
+
         # the model's bytes, offered and sent: a fetch cut midway counts that share of a FedAvg transfer (the
         # control alone, SCAFFOLD's, is none)
         offered = {
-            name: (version, sum(n for _, n in self._entries(client.tier, pb.TENSOR_KIND_MODEL, name, t, version)))
+            name: (version, sum(n for _, n in tensor_entries(pb.TENSOR_KIND_MODEL, name, t, version)))
             for name, t, version in model
         }
         model_sent: dict[str, int] = {}
@@ -346,7 +354,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         def entries() -> Iterator[tuple[bytes, int, tuple[str, bool]]]:
             for kind, tensors in ((pb.TENSOR_KIND_MODEL, model), (pb.TENSOR_KIND_SERVER_CONTROL, control)):
                 for name, tensor, version in tensors:
-                    for entry, nbytes in self._entries(client.tier, kind, name, tensor, version):
+                    for entry, nbytes in tensor_entries(kind, name, tensor, version):
                         yield entry, nbytes, (name, kind == pb.TENSOR_KIND_MODEL)
 
         try:
@@ -359,10 +367,37 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         finally:  # the last message out, or the call cut (gRPC then drops this generator, which closes it)
             total = sum(sent.values())
             try:
-                fetch = ModelFetch(offered, model_sent, held)
+                fetch = ModelFetch(offered, model_sent, held, resumed)
                 self.coordinator.record_download(client, total, sent, round_, category, model=fetch)
             except Exception:
                 log.exception(kv("record_download_failed", client=client.id, bytes=total))
+
+    def _resumed_fetch(
+        self, client: ClientInfo, resume: pb.TensorResume, model: list[tuple[str, Tensor, int]]
+    ) -> dict[str, int]:
+        """``{name: offset}`` where ``resume`` continues a tensor this fetch sends at the version the client holds
+        part of; ``{}`` where that tensor changed since (it goes whole). A request no fetch could have left is
+        INVALID_ARGUMENT."""
+        names = self.coordinator.federation.tier_spec(client.tier).names
+        if resume.name not in names:
+            raise InvalidArgument(
+                f"FetchRequest.resume names {resume.name!r}, which a client of tier {client.tier:g} does not hold"
+            )
+        if resume.offset <= 0 or resume.offset % codec.CHUNK_BYTES:
+            raise InvalidArgument(
+                f"FetchRequest.resume.offset {resume.offset} is not where a chunk of {resume.name!r} began: "
+                f"tensors go in chunks of {codec.CHUNK_BYTES} bytes, a cut fetch resumes at a multiple of that"
+            )
+        for name, tensor, version in model:
+            if name == resume.name and version == resume.version:
+                total = sum(n for _, n in self._entries(client.tier, pb.TENSOR_KIND_MODEL, name, tensor, version))
+                if resume.offset >= total:
+                    raise InvalidArgument(
+                        f"FetchRequest.resume.offset {resume.offset} is not inside {name!r} at version {version}: "
+                        f"its payload is {total} bytes"
+                    )
+                return {name: int(resume.offset)}
+        return {}
 
     def _entries(
         self, tier: float, kind: int, name: str, tensor: Tensor, version: int

@@ -459,16 +459,26 @@ class AggregatorClient:
         request.purpose = pb.FETCH_PURPOSE_EVALUATE if evaluate else pb.FETCH_PURPOSE_TRAIN
 
         # a fetch cut midway keeps the tensors it completed: the retry declares them held, so the server
-        # sends only the rest (a tensor that changed meanwhile is newer than held, and sent again)
+        # sends only the rest (a tensor that changed meanwhile is newer than held, and sent again); the tensor
+        # it broke off in resumes where it broke off (FetchRequest.resume), so no tensor needs one whole connection
         kept: dict[str, tuple[np.ndarray, int]] = {}
+        following: list[codec.Reassembler | None] = [None]  # the retry's, holding the part of the tensor cut
         received = [0]
         nbytes = sum(int(np.prod(shape)) * 4 for shape, _ in expected.values()) * (2 if include_server_control else 1)
 
         def once() -> Fetched:
+            model, control = following[0] or codec.Reassembler(), codec.Reassembler()
+            part = model.part
             request.ClearField("held")
-            request.held.extend(pb.TensorVersion(name=n, version=v) for n, v in held.items() if n not in kept)
+            request.ClearField("resume")
+            if part is not None:
+                request.resume.CopyFrom(pb.TensorResume(name=part[0], version=part[1], offset=part[2]))
+            request.held.extend(
+                pb.TensorVersion(name=n, version=v)
+                for n, v in held.items()
+                if n not in kept and (part is None or n != part[0])
+            )
             request.held.extend(pb.TensorVersion(name=n, version=v) for n, (_, v) in kept.items())
-            model, control = codec.Reassembler(), codec.Reassembler()
             stream = self._tracked(
                 self._fetch_model(request, metadata=self._auth, timeout=self._transfer_timeout(nbytes))
             )
@@ -479,6 +489,7 @@ class AggregatorClient:
             except grpc.RpcError:
                 received[0] += model.bytes_received + control.bytes_received
                 versions = model.versions()
+                following[0] = model.resume()
                 for name, array in model.finish(expected, complete_only=True).items():
                     kept[name] = (array, versions[name])
                 raise  # the server control is sent whole with every fetch: nothing of it is kept

@@ -342,6 +342,7 @@ class Reassembler:
         self._received = 0
         self._declared = 0
         self._handed_over = False  # the first finish() returns arrays over the buffers themselves
+        self._resumed: _Partial | None = None  # a tensor an earlier stream broke off in (see :meth:`resume`)
 
     @property
     def bytes_received(self) -> int:
@@ -361,10 +362,34 @@ class Reassembler:
             return len(self._done), 0
         return (len(self._done) + 1, 0) if cur.complete else (len(self._done), cur.filled)
 
+    def _broken_off(self) -> _Partial | None:
+        """The tensor received in part (in memory): this stream's last, else the one it was to resume."""
+        for part in (self._current, self._resumed):
+            if part is not None and 0 < part.filled < part.total_bytes and part.view is not None:
+                return part
+        return None
+
+    @property
+    def part(self) -> tuple[str, int, int] | None:
+        """The tensor a stream broke off in, as ``(name, version, bytes received)``: where a retry resumes it."""
+        part = self._broken_off()
+        return None if part is None else (part.name, part.version, part.filled)
+
+    def resume(self) -> Reassembler:
+        """A reassembler for the retry of this stream, which broke off in a tensor (:attr:`part`): the retry's
+        first chunk of that tensor continues the bytes received, with the same header at the offset reached, or
+        starts it over at offset 0 (the sender holds a newer version of it). Tensors completed here stay here."""
+        following = Reassembler(self.max_total_bytes, None, self.accepted)
+        part = self._broken_off()
+        if part is not None:
+            following._resumed = part
+            following._declared = part.total_bytes
+        return following
+
     def add(self, chunk: Chunk) -> None:
         cur = self._current
         if cur is None or chunk.name != cur.name:
-            cur = self._start(chunk)
+            cur = self._continued(chunk) or self._start(chunk)
         else:
             header = (chunk.dtype, tuple(chunk.shape), chunk.total_bytes, chunk.version)
             if header != (cur.dtype, cur.shape, cur.total_bytes, cur.version):
@@ -397,17 +422,43 @@ class Reassembler:
         cur.chunks += 1
         self._received += n
 
-    def _start(self, chunk: Chunk) -> _Partial:
+    def _close_current(self, following: str) -> None:
         prev = self._current
         if prev is not None:
             if not prev.complete:
                 raise CodecError(
                     prev.name,
-                    f"truncated: stream moved on to {chunk.name!r} after {prev.filled} of {prev.total_bytes} bytes",
+                    f"truncated: stream moved on to {following!r} after {prev.filled} of {prev.total_bytes} bytes",
                     "truncated",
                 )
             self._done[prev.name] = prev
             self._current = None
+
+    def _continued(self, chunk: Chunk) -> _Partial | None:
+        """The resumed tensor (:meth:`resume`) where ``chunk`` continues it; ``None`` (dropping it where ``chunk``
+        starts it over) otherwise."""
+        part = self._resumed
+        if part is None or chunk.name != part.name:
+            return None
+        self._resumed = None
+        if chunk.offset == 0:  # sent whole: a newer version
+            self._declared -= part.total_bytes
+            return None
+        header = (chunk.dtype, tuple(chunk.shape), chunk.total_bytes, chunk.version)
+        held = (part.dtype, part.shape, part.total_bytes, part.version)
+        if header != held or chunk.offset != part.filled:
+            raise CodecError(
+                chunk.name,
+                f"a resumed tensor goes on at offset {part.filled} with dtype/shape/total_bytes/version {held}, got "
+                f"offset {chunk.offset} with {header}",
+                "offset",
+            )
+        self._close_current(chunk.name)
+        self._current = part
+        return part
+
+    def _start(self, chunk: Chunk) -> _Partial:
+        self._close_current(chunk.name)
         if chunk.name in self._done:
             raise CodecError(chunk.name, "duplicate: tensor sent twice in one message", "duplicate")
         if self.accepted is not None and chunk.name not in self.accepted:

@@ -135,6 +135,8 @@ def representative_messages() -> list[Message]:
         chunk,
         pb.TensorVersion(name="features.0.atoms", version=4),
         pb.FetchRequest(held=[pb.TensorVersion(name="features.0.atoms", version=4)], include_server_control=True),
+        pb.TensorResume(name="fc1.weight", version=4, offset=3 * 2**20),
+        pb.FetchRequest(resume=pb.TensorResume(name="fc1.weight", version=4, offset=2**20)),
         pb.PushMessage(
             header=pb.PushHeader(
                 round=12,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from sqlalchemy import func, select
@@ -39,11 +39,13 @@ TransferKey = tuple[int, str, str]  # (round, client id, category)
 @dataclass(frozen=True)
 class ModelFetch:
     """What of the model one fetch offered (name → (version, bytes)), sent (name → bytes) and found held (the
-    versions the client declared)."""
+    versions the client declared), and the tensors it resumed (name → the bytes of it the client held: the
+    offer is the rest)."""
 
     offered: Mapping[str, tuple[int, int]]
     sent: Mapping[str, int]
     held: Mapping[str, int]
+    resumed: Mapping[str, int] = field(default_factory=dict)
 
 
 #: → (bytes, FedAvg-equivalent, bytes per full-rank tensor)
@@ -111,7 +113,11 @@ class Ledger:
         key = (client_id, category)
         sent = sum(model.sent.values())
         whole = sum(n for _, n in model.offered.values())
-        delivered = {n: (v, b) for n, (v, b) in model.offered.items() if b > 0 and model.sent.get(n, 0) >= b}
+        delivered = {
+            n: (v, b + model.resumed.get(n, 0))
+            for n, (v, b) in model.offered.items()
+            if b > 0 and model.sent.get(n, 0) >= b
+        }
         with self._lock:
             cut_round, earlier = self._cuts.get(key, (round_, {}))
             earlier = earlier if cut_round == round_ else {}
@@ -122,7 +128,8 @@ class Ledger:
                 self._cuts = {k: entry for k, entry in self._cuts.items() if entry[0] >= round_ - 1}
                 self._cuts_newest = round_
             self._cuts[key] = (round_, {**earlier, **delivered})
-        return fedavg_equivalent_of_part(self.shared.federation.spec, sent, whole + kept)
+        held_part = sum(model.resumed.values())  # a resumed tensor's bytes the client held: part of the model too
+        return fedavg_equivalent_of_part(self.shared.federation.spec, sent, whole + kept + held_part)
 
     def count(
         self,

@@ -308,6 +308,50 @@ def test_reassemble_fp16_upcasts_to_expected() -> None:
     np.testing.assert_allclose(out, a, rtol=1e-3, atol=1e-4)
 
 
+# ----------------------------------------------------------------------------- a stream resumed inside a tensor
+
+
+def test_a_stream_cut_inside_a_tensor_resumes_where_it_broke_off() -> None:
+    """A link that drops after a few chunks of a tensor: the retry's reassembler goes on from the bytes received,
+    whatever comes before that tensor in the retry (a newer version of a tensor completed earlier)."""
+    a, b = _sample("float32", (4, 5)), _sample("int64", (6,))
+    chunks = _stream({"a": a, "b": b}, chunk_bytes=16)  # a: 80 bytes in 5 chunks, b: 48 in 3
+    first = _reassemble(chunks[:7])  # a whole, two chunks of b
+    assert first.part == ("b", 3, 32)
+    retry = first.resume()
+    assert first.finish(complete_only=True).keys() == {"a"}  # what the caller keeps; b's part went with the retry
+    newer_a = _sample("float32", (4, 5), seed=9)
+    for c in iter_chunks("a", encode(newer_a), 4, 16):  # a changed since: sent again, before b's rest
+        retry.add(c)
+    retry.add(chunks[7])  # b from byte 32
+    out = retry.finish()
+    np.testing.assert_array_equal(out["b"], b)
+    np.testing.assert_array_equal(out["a"], newer_a)
+    assert retry.bytes_received == 80 + 16  # what this stream carried
+
+
+def test_a_resumed_tensor_sent_whole_again_starts_over_and_one_sent_elsewhere_is_refused() -> None:
+    b = _sample("int64", (6,))
+    chunks = _stream({"b": b}, chunk_bytes=16)
+    newer = _sample("int64", (6,), seed=4)
+    restart = Reassembler()
+    restart.add(chunks[0])
+    retry = restart.resume()
+    for c in iter_chunks("b", encode(newer), 5, 16):  # a newer version, from its first byte
+        retry.add(c)
+    np.testing.assert_array_equal(retry.finish()["b"], newer)
+    cut = _reassemble(chunks[:1])
+    elsewhere = cut.resume()
+    with _raises("b", "offset"):
+        elsewhere.add(chunks[2])  # byte 32, where 16 were received
+    broke_early = _reassemble(chunks[:1]).resume()
+    assert broke_early.part == ("b", 3, 16)  # a retry cut before its first chunk still holds the part
+    again = broke_early.resume()
+    for c in chunks[1:]:
+        again.add(c)
+    np.testing.assert_array_equal(again.finish()["b"], b)
+
+
 # ----------------------------------------------------------------------------- reassembly rejections
 
 
