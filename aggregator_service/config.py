@@ -208,7 +208,7 @@ class FederationConfig:
         if self.interval_policy not in POLICIES:
             raise ValueError(f"unknown interval policy {self.interval_policy!r}; choose one of {', '.join(POLICIES)}")
         defaults = {f.name: f.default for f in fields(FederationConfig)}
-        for key, why in inert_keys(self.interval_policy, self.tiers, self.cohort).items():
+        for key, why in inert_keys(self.interval_policy, self.tiers).items():
             if getattr(self, key) != defaults[key]:
                 raise ValueError(f"{key} = {getattr(self, key)!r} would change nothing: {why}. Leave it unset")
         if self.interval_policy == "fixed" and self.factorization not in ("atoms", "atoms-lowrank"):
@@ -389,7 +389,7 @@ POLICY_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-def inert_keys(interval_policy: str, tiers: Sequence[float], cohort: str) -> dict[str, str]:
+def inert_keys(interval_policy: str, tiers: Sequence[float]) -> dict[str, str]:
     """Method keys a federation with this policy and these tiers never reads → why. Set away from its default
     such a key would run without a word and change nothing, so a new config refuses it; a stored federation's
     value of one is no part of its method (:mod:`.coordinator.restore` ignores it)."""
@@ -399,10 +399,6 @@ def inert_keys(interval_policy: str, tiers: Sequence[float], cohort: str) -> dic
         if policy != interval_policy
         for key in keys
     }
-    if interval_policy == "fedlama" and cohort != "period":
-        inert["hold_cohort"] = (
-            f"it says how long FedLAMA keeps a cohort, and cohort is {cohort!r}: a new one every round"
-        )
     if min(tiers) >= 1.0:
         inert["tier_init"] = "it cuts tiers below 1, and every tier is 1"
     if len(set(tiers)) == 1:
@@ -449,6 +445,7 @@ KEYS_SINCE: dict[str, Any] = {
     "lama_warmup": "rounds",
     "tier_training": "own",
     "full_rank_share": 0.0,
+    "slow_tensors": "coefficients",
 }
 
 

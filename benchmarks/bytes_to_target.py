@@ -282,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             merged = {**keys, **extra}
             try:
                 tiers = parse_tiers(merged.get("tiers", defaults["tiers"]))
-                policy = merged.get("interval_policy", defaults["interval_policy"])
-                unread = inert_keys(policy, tiers, merged.get("cohort", defaults["cohort"]))
+                unread = inert_keys(merged.get("interval_policy", defaults["interval_policy"]), tiers)
             except ValueError as exc:
                 p.error(f"--set tiers: {exc}")
             keys.update({k: v for k, v in extra.items() if k not in unread})

@@ -8,9 +8,9 @@ the same ``update_id``, so the server stores it once however often the link drop
 
 A slow link must not turn a transfer into an endless retry: a stream's deadline grows with its
 bytes (:attr:`AggregatorClient.min_link_bytes_per_second`), keepalive pings find a dead link
-long before that, a fetch cut midway keeps what it received, so its retry asks only for the
-rest (from inside the tensor it broke off in), and a push cut midway resumes where the server
-holds it. A stop (SIGTERM, SIGINT)
+long before that, a fetch cut midway keeps what it received of the model, so its retry asks
+only for the rest (from inside the tensor it broke off in; SCAFFOLD's control goes whole each
+time), and a push cut midway resumes where the server holds it. A stop (SIGTERM, SIGINT)
 cancels the call in flight and the wait between retries.
 """
 

@@ -1,9 +1,9 @@
 """A federation stored before a method key existed keeps the behaviour it ran with across an upgrade.
 
-``tier_init``, ``tier_average``, ``tier_training`` and ``lama_warmup`` came after federations were stored: one
-stored without them restarts (not refused as "a different method") and keeps FedHM's truncated cut, aligned
-average and tiers that each train their own model, and ``full_rank_share``, with the stem alone full rank; one
-stored with a value is held to it. ``atom_lr``'s
+``tier_init``, ``tier_average``, ``tier_training``, ``lama_warmup`` and ``slow_tensors`` came after federations
+were stored: one stored without them restarts (not refused as "a different method") and keeps FedHM's truncated
+cut, aligned average and tiers that each train their own model, and ``full_rank_share``, with the stem alone
+full rank; one stored with a value is held to it. ``atom_lr``'s
 and ``num_atoms``' defaults changed: one stored with the old default keeps it when restarted with unchanged
 settings.
 """
@@ -172,3 +172,18 @@ def test_a_plain_federation_stored_before_the_tier_and_fedlama_rules_restarts(ba
     shared = start_service(url, small_federation(**plain)).coordinator.shared
     assert (shared.config.tier_init, shared.config.lama_warmup) == ("energy", "periods")  # defaults, never read
     assert shared.config.full_rank_share == 0.0  # a key its model spec does read keeps the value it ran with
+
+
+@pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
+def test_a_fast_slow_federation_stored_before_slow_tensors_restarts_with_its_coefficients_slow(
+    backend, request, start_service
+):
+    """``slow_tensors`` came after fast/slow federations were stored: one stored without it restarts (it was
+    refused as "a different method", stored None against configured 'coefficients') and keeps the
+    coefficients slow, its only rule then."""
+    url = request.getfixturevalue(backend)
+    fixed = dict(factorization="atoms", tiers=[1.0], interval_policy="fixed", beta=0.5)
+    start_service(url, small_federation(**fixed)).stop()
+    _drop_stored_keys(url, "slow_tensors")
+    policy = start_service(url, small_federation(**fixed)).coordinator.shared.federation.policy
+    assert {n for n, tau in policy.intervals().items() if tau == 2} == {"conv1.coefficients", "conv2.coefficients"}
