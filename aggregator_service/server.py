@@ -328,8 +328,15 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             round_ = self.coordinator.download_round(request.round if request.HasField("round") else None)
             category = "eval_fetch" if request.purpose == pb.FETCH_PURPOSE_EVALUATE else "train_fetch"
             model, control = self.coordinator.fetch(client, held, request.include_server_control)
+            if len(request.held_control) > len(control):
+                raise InvalidArgument(
+                    f"FetchRequest.held_control lists {len(request.held_control)} versions; this fetch's server "
+                    f"control has {len(control)} tensors"
+                )
+            held_control = {v.name: v.version for v in request.held_control}
+            control = [(n, t, v) for n, t, v in control if held_control.get(n) != v]
             # a tensor the client holds in part (a fetch cut midway through it) goes on where it broke off
-            resumed = self._resumed_fetch(client, request.resume, model) if request.HasField("resume") else {}
+            resumed = self._resumed_fetch(client, request.resume, model, control) if request.HasField("resume") else {}
         except Exception as exc:
             if _is_abort(exc):
                 raise
@@ -340,7 +347,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
 
         def tensor_entries(kind: int, name: str, tensor: Tensor, version: int) -> tuple[tuple[bytes, int], ...]:
             all_of_it = self._entries(client.tier, kind, name, tensor, version)
-            start = resumed.get(name, 0) if kind == pb.TENSOR_KIND_MODEL else 0
+            start = resumed.get((kind, name), 0)
             return all_of_it[start // codec.CHUNK_BYTES :] if start else all_of_it
 
         # the model's bytes, offered and sent: a fetch cut midway counts that share of a FedAvg transfer (the
@@ -367,36 +374,54 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         finally:  # the last message out, or the call cut (gRPC then drops this generator, which closes it)
             total = sum(sent.values())
             try:
-                fetch = ModelFetch(offered, model_sent, held, resumed)
+                parts = {n: o for (k, n), o in resumed.items() if k == pb.TENSOR_KIND_MODEL}
+                fetch = ModelFetch(offered, model_sent, held, parts)
                 self.coordinator.record_download(client, total, sent, round_, category, model=fetch)
             except Exception:
                 log.exception(kv("record_download_failed", client=client.id, bytes=total))
 
     def _resumed_fetch(
-        self, client: ClientInfo, resume: pb.TensorResume, model: list[tuple[str, Tensor, int]]
-    ) -> dict[str, int]:
-        """``{name: offset}`` where ``resume`` continues a tensor this fetch sends at the version the client holds
-        part of; ``{}`` where that tensor changed since (it goes whole). A request no fetch could have left is
-        INVALID_ARGUMENT."""
-        names = self.coordinator.federation.tier_spec(client.tier).names
-        if resume.name not in names:
+        self,
+        client: ClientInfo,
+        resume: pb.TensorResume,
+        model: list[tuple[str, Tensor, int]],
+        control: list[tuple[str, Tensor, int]],
+    ) -> dict[tuple[int, str], int]:
+        """``{(kind, name): offset}`` where ``resume`` continues a tensor this fetch sends at the version the
+        client holds part of; ``{}`` where that tensor changed since (it goes whole). A request no fetch could
+        have left is INVALID_ARGUMENT."""
+        kind = resume.kind or pb.TENSOR_KIND_MODEL
+        if kind == pb.TENSOR_KIND_MODEL:
+            names, tensors = self.coordinator.federation.tier_spec(client.tier).names, model
+            if resume.name not in names:
+                raise InvalidArgument(
+                    f"FetchRequest.resume names {resume.name!r}, which a client of tier {client.tier:g} does not hold"
+                )
+        elif kind == pb.TENSOR_KIND_SERVER_CONTROL:
+            tensors = control
+            if resume.name not in {n for n, _, _ in control}:
+                raise InvalidArgument(
+                    f"FetchRequest.resume names the server control of {resume.name!r}, which this fetch does not send "
+                    "(without include_server_control, or held in held_control, or no such tensor)"
+                )
+        else:
             raise InvalidArgument(
-                f"FetchRequest.resume names {resume.name!r}, which a client of tier {client.tier:g} does not hold"
+                f"FetchRequest.resume.kind {kind} is neither TENSOR_KIND_MODEL nor TENSOR_KIND_SERVER_CONTROL"
             )
         if resume.offset <= 0 or resume.offset % codec.CHUNK_BYTES:
             raise InvalidArgument(
                 f"FetchRequest.resume.offset {resume.offset} is not where a chunk of {resume.name!r} began: "
                 f"tensors go in chunks of {codec.CHUNK_BYTES} bytes, a cut fetch resumes at a multiple of that"
             )
-        for name, tensor, version in model:
+        for name, tensor, version in tensors:
             if name == resume.name and version == resume.version:
-                total = sum(n for _, n in self._entries(client.tier, pb.TENSOR_KIND_MODEL, name, tensor, version))
+                total = sum(n for _, n in self._entries(client.tier, kind, name, tensor, version))
                 if resume.offset >= total:
                     raise InvalidArgument(
                         f"FetchRequest.resume.offset {resume.offset} is not inside {name!r} at version {version}: "
                         f"its payload is {total} bytes"
                     )
-                return {name: int(resume.offset)}
+                return {(kind, name): int(resume.offset)}
         return {}
 
     def _entries(

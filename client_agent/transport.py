@@ -8,9 +8,9 @@ the same ``update_id``, so the server stores it once however often the link drop
 
 A slow link must not turn a transfer into an endless retry: a stream's deadline grows with its
 bytes (:attr:`AggregatorClient.min_link_bytes_per_second`), keepalive pings find a dead link
-long before that, a fetch cut midway keeps what it received of the model, so its retry asks
-only for the rest (from inside the tensor it broke off in; SCAFFOLD's control goes whole each
-time), and a push cut midway resumes where the server holds it. A stop (SIGTERM, SIGINT)
+long before that, a fetch cut midway keeps what it received, so its retry asks only for the
+rest (from inside the tensor it broke off in, model or SCAFFOLD's control), and a push cut
+midway resumes where the server holds it. A stop (SIGTERM, SIGINT)
 cancels the call in flight and the wait between retries.
 """
 
@@ -461,25 +461,34 @@ class AggregatorClient:
 
         # a fetch cut midway keeps the tensors it completed: the retry declares them held, so the server
         # sends only the rest (a tensor that changed meanwhile is newer than held, and sent again); the tensor
-        # it broke off in resumes where it broke off (FetchRequest.resume), so no tensor needs one whole connection
+        # it broke off in resumes where it broke off (FetchRequest.resume), so no tensor needs one whole connection;
+        # SCAFFOLD's server control alike (held_control, a resume of kind server control)
         kept: dict[str, tuple[np.ndarray, int]] = {}
-        following: list[codec.Reassembler | None] = [None]  # the retry's, holding the part of the tensor cut
+        kept_control: dict[str, tuple[np.ndarray, int]] = {}
+        following: list[codec.Reassembler | None] = [None, None]  # the retry's (model, control), holding a part
         received = [0]
         nbytes = sum(int(np.prod(shape)) * 4 for shape, _ in expected.values()) * (2 if include_server_control else 1)
 
         def once() -> Fetched:
-            model, control = following[0] or codec.Reassembler(), codec.Reassembler()
-            part = model.part
+            model, control = following[0] or codec.Reassembler(), following[1] or codec.Reassembler()
+            part, control_part = model.part, control.part
             request.ClearField("held")
+            request.ClearField("held_control")
             request.ClearField("resume")
             if part is not None:
                 request.resume.CopyFrom(pb.TensorResume(name=part[0], version=part[1], offset=part[2]))
+                control_part = None  # one resume a request: the control's part goes whole again
+            elif control_part is not None:
+                name, version, offset = control_part
+                resume = pb.TensorResume(name=name, version=version, offset=offset, kind=pb.TENSOR_KIND_SERVER_CONTROL)
+                request.resume.CopyFrom(resume)
             request.held.extend(
                 pb.TensorVersion(name=n, version=v)
                 for n, v in held.items()
                 if n not in kept and (part is None or n != part[0])
             )
             request.held.extend(pb.TensorVersion(name=n, version=v) for n, (_, v) in kept.items())
+            request.held_control.extend(pb.TensorVersion(name=n, version=v) for n, (_, v) in kept_control.items())
             stream = self._tracked(
                 self._fetch_model(request, metadata=self._auth, timeout=self._transfer_timeout(nbytes))
             )
@@ -489,17 +498,18 @@ class AggregatorClient:
                         (control if kind == pb.TENSOR_KIND_SERVER_CONTROL else model).add(chunk)
             except grpc.RpcError:
                 received[0] += model.bytes_received + control.bytes_received
-                versions = model.versions()
-                following[0] = model.resume()
-                for name, array in model.finish(expected, complete_only=True).items():
-                    kept[name] = (array, versions[name])
-                raise  # the server control is sent whole with every fetch: nothing of it is kept
+                for assembler, store_in, i in ((model, kept, 0), (control, kept_control, 1)):
+                    versions = assembler.versions()
+                    following[i] = assembler.resume()
+                    done = assembler.finish(expected if i == 0 else None, complete_only=True)
+                    store_in.update((name, (array, versions[name])) for name, array in done.items())
+                raise
             finally:
                 self._untrack(stream)
             versions = model.versions()
             arrays = {n: a for n, (a, _) in kept.items()} | model.finish(expected)
             versions = {n: v for n, (_, v) in kept.items()} | versions
-            controls = control.finish()
+            controls = {n: a for n, (a, _) in kept_control.items()} | control.finish()
             return Fetched(
                 {n: (torch.from_numpy(a), versions[n]) for n, a in arrays.items()},
                 {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in controls.items()},

@@ -202,12 +202,24 @@ def test_a_resume_no_cut_fetch_could_leave_is_refused_and_a_stale_one_gets_the_t
         "is not where a chunk": pb.TensorResume(name="fc1.weight", version=fc1.version, offset=2**20 + 4),
         "is not where a chunk ": pb.TensorResume(name="fc1.weight", version=fc1.version, offset=-(2**20)),
         "is not inside": pb.TensorResume(name="fc1.weight", version=fc1.version, offset=7 * 2**20),
+        # FedAvg sends no server control, SCAFFOLD's
+        "which this fetch does not send": pb.TensorResume(
+            name="fc1.weight", version=fc1.version, offset=2**20, kind=pb.TENSOR_KIND_SERVER_CONTROL
+        ),
+        "is neither": pb.TensorResume(
+            name="fc1.weight", version=fc1.version, offset=2**20, kind=pb.TENSOR_KIND_CONTROL_DELTA
+        ),
     }
     for says, resume in refused.items():
         with pytest.raises(grpc.RpcError) as caught:
             _stream(client, pb.FetchRequest(resume=resume))
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, says
         assert says.strip() in caught.value.details(), caught.value.details()
+    control = [pb.TensorVersion(name="fc1.weight", version=fc1.version)]
+    with pytest.raises(grpc.RpcError) as caught:
+        _stream(client, pb.FetchRequest(held_control=control, include_server_control=True))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "FetchRequest.held_control lists 1 versions; this fetch's server control has 0" in caught.value.details()
     # a part of another version (a round closed since the cut): the tensor comes whole, from its first byte
     stale = pb.TensorResume(name="fc1.weight", version=fc1.version + 1, offset=2**20)
     again = [c for c in _stream(client, pb.FetchRequest(resume=stale)) if c.name == "fc1.weight"]
