@@ -208,7 +208,7 @@ class FederationConfig:
         if self.interval_policy not in POLICIES:
             raise ValueError(f"unknown interval policy {self.interval_policy!r}; choose one of {', '.join(POLICIES)}")
         defaults = {f.name: f.default for f in fields(FederationConfig)}
-        for key, why in inert_keys(self.interval_policy, self.tiers).items():
+        for key, why in inert_keys(self.interval_policy, self.tiers, self.cohort).items():
             if getattr(self, key) != defaults[key]:
                 raise ValueError(f"{key} = {getattr(self, key)!r} would change nothing: {why}. Leave it unset")
         if self.interval_policy == "fixed" and self.factorization not in ("atoms", "atoms-lowrank"):
@@ -331,7 +331,8 @@ class FederationConfig:
                 "tau_base": self.tau,
                 "phi": self.phi,
                 "warmup_rounds": warmup_for(self.warmup_rounds, self.phi, self.lama_warmup),
-                "hold_cohort": self.hold_cohort,
+                # a cohort kept for a period is FedLAMA's alone to time; a new one every round reads nothing of it
+                "hold_cohort": self.hold_cohort if self.cohort == "period" else None,
                 "protect": self.lama_protect,
             }
         return {}
@@ -389,7 +390,7 @@ POLICY_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-def inert_keys(interval_policy: str, tiers: Sequence[float]) -> dict[str, str]:
+def inert_keys(interval_policy: str, tiers: Sequence[float], cohort: str) -> dict[str, str]:
     """Method keys a federation with this policy and these tiers never reads → why. Set away from its default
     such a key would run without a word and change nothing, so a new config refuses it; a stored federation's
     value of one is no part of its method (:mod:`.coordinator.restore` ignores it)."""
@@ -399,6 +400,10 @@ def inert_keys(interval_policy: str, tiers: Sequence[float]) -> dict[str, str]:
         if policy != interval_policy
         for key in keys
     }
+    if interval_policy == "fedlama" and cohort != "period":
+        inert["hold_cohort"] = (
+            f"it says how long FedLAMA keeps a cohort, and cohort is {cohort!r}: a new one every round"
+        )
     if min(tiers) >= 1.0:
         inert["tier_init"] = "it cuts tiers below 1, and every tier is 1"
     if len(set(tiers)) == 1:

@@ -242,6 +242,9 @@ class IntervalPolicy(ABC):
         """Rounds a cohort is kept (from a round ``r`` with ``(r − 1) mod cohort_period = 0``): the sync period."""
         return self.sync_period
 
+    #: saved parameters that change nothing here, ignored when a saved state is loaded
+    unread_params: frozenset[str] = frozenset()
+
     @abstractmethod
     def params(self) -> dict[str, Any]:
         """Constructor parameters (JSON types), recorded in the state so a resume under other settings fails."""
@@ -284,6 +287,8 @@ class IntervalPolicy(ABC):
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"unsupported interval state format {state.get('format')!r}")
         saved, mine = _json_normal(state.get("params")), _json_normal(self.params())
+        if isinstance(saved, dict):  # a parameter this policy no longer reads is no part of it
+            saved = {k: v for k, v in saved.items() if k not in self.unread_params}
         if saved != mine:
             raise ValueError(f"state was saved with {self.name} parameters {saved}, this policy has {mine}")
         raw = state.get("intervals")
@@ -418,7 +423,8 @@ class FedLAMA(IntervalPolicy):
     d_l is stored whenever a tensor is aggregated; at rounds that are multiples of φτ' (every tensor has
     just synced, so all d_l are fresh) and past ``warmup_rounds``, intervals are re-decided from scratch.
     ``hold_cohort`` (:data:`HOLD_COHORT`) says whether a cohort is kept for φτ' rounds even while
-    nothing is relaxed; the defaults are the paper's literal algorithm.
+    nothing is relaxed, ``None`` where no cohort is kept (a new one every round), so nothing reads it;
+    the defaults are the paper's literal algorithm.
     """
 
     name = "fedlama"
@@ -429,16 +435,18 @@ class FedLAMA(IntervalPolicy):
         tau_base: int = 1,
         phi: int = 2,
         warmup_rounds: int = 0,
-        hold_cohort: str = "sync_period",
+        hold_cohort: str | None = "sync_period",
         protect: str = "none",
     ) -> None:
         super().__init__(tensors)
         self.tau_base = _int_param("tau_base", tau_base, 1)
         self.phi = _int_param("phi", phi, 1)
         self.warmup_rounds = _int_param("warmup_rounds", warmup_rounds, 0)
-        if hold_cohort not in HOLD_COHORT:
+        if hold_cohort is not None and hold_cohort not in HOLD_COHORT:
             raise ValueError(f"hold_cohort must be one of {', '.join(HOLD_COHORT)}, got {hold_cohort!r}")
         self.hold_cohort = hold_cohort
+        if hold_cohort is None:  # states saved when per-round cohorts still recorded it restore alike
+            self.unread_params = frozenset({"hold_cohort"})
         self.protect = protect
         kept = protected_modules(self.tensors, protect)
         self.relaxable: tuple[str, ...] = tuple(
@@ -460,14 +468,14 @@ class FedLAMA(IntervalPolicy):
         Intervals change only at multiples of φτ', so a cohort drawn at a round that follows an
         adjustment is kept exactly as long as its relaxed tensors continue locally.
         """
-        if self.hold_cohort == "sync_period":
+        if self.hold_cohort in ("sync_period", None):
             return self.sync_period
         return math.lcm(*self._intervals.values()) if self._intervals else self.tau_base
 
     def params(self) -> dict[str, Any]:
         params: dict[str, Any] = {"tau_base": self.tau_base, "phi": self.phi, "warmup_rounds": self.warmup_rounds}
         # states saved before these switches existed resume unchanged under the paper's values
-        if self.hold_cohort != "sync_period":
+        if self.hold_cohort not in ("sync_period", None):
             params["hold_cohort"] = self.hold_cohort
         if self.protect != "none":
             params["protect"] = self.protect

@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             merged = {**keys, **extra}
             try:
                 tiers = parse_tiers(merged.get("tiers", defaults["tiers"]))
-                unread = inert_keys(merged.get("interval_policy", defaults["interval_policy"]), tiers)
+                policy = merged.get("interval_policy", defaults["interval_policy"])
+                unread = inert_keys(policy, tiers, merged.get("cohort", defaults["cohort"]))
             except ValueError as exc:
                 p.error(f"--set tiers: {exc}")
             keys.update({k: v for k, v in extra.items() if k not in unread})

@@ -76,7 +76,7 @@ def load(shared: Shared) -> None:
                 if row.config.get(key) != getattr(shared.config, key):
                     row.config = {**row.config, key: getattr(shared.config, key)}
         total = strategy_population(s, row)
-        unread = inert_keys(shared.config.interval_policy, shared.config.tiers)
+        unread = inert_keys(shared.config.interval_policy, shared.config.tiers, shared.config.cohort)
         predates = {k: v for k, v in KEYS_SINCE.items() if not created and k not in row.config and k not in unread}
         if predates:
             log.info(kv("federation_predates_keys", name=settings.federation_name, keeps=predates))
@@ -167,8 +167,8 @@ def _check_config(shared: Shared, stored: Mapping[str, Any]) -> None:
     was = stored_keys(stored)
     # a key neither the stored method nor the configured one reads is no part of either (an older release
     # accepted one set to no effect; a new config refuses it, so the operator removes it to restart)
-    unread = set(inert_keys(was.interval_policy, was.tiers)) & set(
-        inert_keys(shared.config.interval_policy, shared.config.tiers)
+    unread = set(inert_keys(was.interval_policy, was.tiers, was.cohort)) & set(
+        inert_keys(shared.config.interval_policy, shared.config.tiers, shared.config.cohort)
     )
     differ = sorted(
         k

@@ -163,7 +163,8 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--hold-cohort",
         choices=["while_relaxed", "sync_period"],
-        help="FedLAMA: keep a cohort for φτ' rounds only while a tensor is relaxed, or always (the paper)",
+        help="FedLAMA with --cohort period: keep a cohort for φτ' rounds only while a tensor is relaxed, or always "
+        "(the paper); refused with a new cohort every round, where nothing reads it",
     )
     g.add_argument(
         "--lama-protect",

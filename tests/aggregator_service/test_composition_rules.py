@@ -125,6 +125,7 @@ def test_fedlama_relaxes_nothing_in_its_warmup_at_phi_4() -> None:
         ({}, "lama_warmup", "rounds", "only the fedlama interval policy reads it"),
         ({}, "lama_protect", "none", "only the fedlama interval policy reads it"),
         ({}, "slow_tensors", "all_but_atoms", "only the fixed interval policy reads it"),
+        ({"interval_policy": "fedlama"}, "hold_cohort", "sync_period", "cohort is 'per_round': a new one every round"),
         ({"interval_policy": "fedlama"}, "beta", 0.5, "only the fixed interval policy reads it"),
         ({"factorization": "atoms", "interval_policy": "fixed"}, "tau", 2, "only the fedlama interval policy"),
         ({}, "tier_init", "truncated", "it cuts tiers below 1, and every tier is 1"),

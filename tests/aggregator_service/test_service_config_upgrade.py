@@ -187,3 +187,43 @@ def test_a_fast_slow_federation_stored_before_slow_tensors_restarts_with_its_coe
     _drop_stored_keys(url, "slow_tensors")
     policy = start_service(url, small_federation(**fixed)).coordinator.shared.federation.policy
     assert {n for n, tau in policy.intervals().items() if tau == 2} == {"conv1.coefficients", "conv2.coefficients"}
+
+
+def _edit_stored(url: str, config: dict, params: dict) -> None:
+    """Set keys of the stored config and of the stored interval policy's parameters."""
+    engine = store.create_engine_for(url)
+    try:
+        with store.session_factory(engine).begin() as s:
+            row = s.scalars(select(FederationRow)).one()
+            row.config = {**row.config, **config}
+            state = dict(row.policy_state)
+            state["params"] = {**state["params"], **params}
+            row.policy_state = state
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
+@pytest.mark.parametrize(
+    ("config", "params"),
+    [
+        ({}, {"hold_cohort": "while_relaxed"}),  # the default, as earlier releases recorded it
+        ({"hold_cohort": "sync_period"}, {}),  # the paper's value, which they recorded by leaving it out
+    ],
+)
+def test_a_fedlama_federation_with_a_new_cohort_every_round_restarts_whatever_hold_cohort_it_stored(
+    backend, config, params, request, start_service
+):
+    """``hold_cohort`` times a kept cohort; with a new cohort every round nothing reads it, so a new config that
+    sets it is refused. Federations stored when it was accepted, and recorded in the policy's saved parameters,
+    restart under a config that leaves it unset, and their intervals come back as they were."""
+    url = request.getfixturevalue(backend)
+    lama = dict(interval_policy="fedlama", factorization="atoms", tiers=[1.0])
+    first = start_service(url, small_federation(**lama))
+    intervals = first.coordinator.shared.federation.policy.intervals()
+    first.stop()
+    _edit_stored(url, config, params)
+    policy = start_service(url, small_federation(**lama)).coordinator.shared.federation.policy
+    assert policy.intervals() == intervals and policy.hold_cohort is None
+    with pytest.raises(ValueError, match="hold_cohort = 'sync_period' would change nothing"):
+        small_federation(**lama, hold_cohort="sync_period")

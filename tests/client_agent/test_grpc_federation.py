@@ -192,7 +192,7 @@ def test_a_run_without_database_url_or_state_dir_leaves_nothing_behind(tmp_path,
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     small = {**CONFIG, "clients": 2, "rounds": 1, "personal_atoms": False, "interval_policy": "every_round"}
     small.update(partition="iid")
-    for key in inert_keys("every_round", small["tiers"]):  # FedLAMA's keys: refused without FedLAMA
+    for key in inert_keys("every_round", small["tiers"], "per_round"):  # FedLAMA's keys: refused without FedLAMA
         small.pop(key, None)
     said: list[str] = []
     result = run_simulation(SimulationConfig(transport="grpc", **small), workers=1, announce=said.append)
