@@ -53,6 +53,7 @@ from fedcore import codec
 from fedcore.tiers import CapabilityProfile
 from fedwire import framing
 from fedwire.allocator import release_free_memory, reuse_message_buffers
+from fedwire.flow_control import MAX_MESSAGE_BYTES, RECEIVE_WINDOW_BYTES
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
@@ -61,13 +62,6 @@ __all__ = ["MAX_MESSAGE_BYTES", "SERVICE_NAME", "AggregatorServicer", "DeadlineT
 log = logging.getLogger("fedatoms.aggregator")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Aggregator"].full_name
-# Chunks carry ≤ 1 MiB of data; 4 MiB + headroom is gRPC's default and leaves room for headers.
-MAX_MESSAGE_BYTES = 4 * 2**20 + 64 * 2**10
-# How much of each push may be in flight to the server before it reads it: a fixed HTTP/2 stream
-# window, not one grown by BDP probes, which on loopback grew to megabytes per stream and made the
-# aggregator's memory grow with the number of concurrent pushes (benchmarks/memory.py: 14× the
-# model at 50 resnet18 clients, 3.8× with this). 256 KiB is 20 Mbit/s per push at 100 ms RTT.
-RECEIVE_WINDOW_BYTES = 256 << 10
 # How long a push refused as incomplete waits to learn whether its call was cut (then what arrived is kept
 # for the retry) rather than ended by the client: a cut call is marked over within milliseconds.
 CUT_STREAM_GRACE_SECONDS = 1.0

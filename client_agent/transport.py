@@ -43,6 +43,7 @@ from fedcore.spec import ModelSpec
 from fedcore.tiers import CapabilityProfile
 from fedcore.training import TrainConfig
 from fedwire import framing
+from fedwire.flow_control import KEEPALIVE_SECONDS, MAX_MESSAGE_BYTES, RECEIVE_WINDOW_BYTES, keepalive_timeout
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
@@ -65,8 +66,6 @@ __all__ = [
 
 log = logging.getLogger("fedatoms.client")
 
-# the aggregator's limit: chunks carry ≤ 1 MiB, so 4 MiB + headroom is plenty both ways
-MAX_MESSAGE_BYTES = 4 * 2**20 + 64 * 2**10
 #: How long a GetTask may be held by the server while there is nothing to do (a long poll).
 LONG_POLL_SECONDS = 30.0
 #: The slowest link a transfer's deadline allows for by default (8 kbit/s): a fetch or push may take
@@ -78,16 +77,25 @@ _T = TypeVar("_T")
 _C = TypeVar("_C", bound=grpc.Future)
 
 
-def channel_options(server_name: str | None = None) -> list[tuple[str, Any]]:
-    """The options of every channel an agent opens to the aggregator."""
+def channel_options(
+    server_name: str | None = None,
+    *,
+    min_link_bytes_per_second: float = MIN_LINK_BYTES_PER_SECOND,
+    keepalive_seconds: float = KEEPALIVE_SECONDS,
+) -> list[tuple[str, Any]]:
+    """The options of every channel an agent opens to the aggregator, on links down to ``min_link_bytes_per_second``."""
+    timeout = keepalive_timeout(min_link_bytes_per_second, keepalive_seconds)
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        # a call in flight pings every 30 s: a dead link fails the call then, not at its deadline; the
-        # ack may wait behind a slow link's queued data, hence the timeout's headroom
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 60_000),
+        # a call in flight pings: a dead link fails the call then, not at its deadline; the ack waits behind
+        # up to a receive window of data, which the timeout allows for at the slowest link (fedwire.flow_control)
+        ("grpc.keepalive_time_ms", round(keepalive_seconds * 1000)),
+        ("grpc.keepalive_timeout_ms", round(timeout * 1000)),
         ("grpc.keepalive_permit_without_calls", 0),
+        # a download's window stays what the timeout counts on (BDP probes would grow it)
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", RECEIVE_WINDOW_BYTES),
         # FetchModel's stream is read in the calling thread rather than handed over, message by
         # message, from the channel's spin thread: one thread handoff fewer per message
         (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
@@ -215,9 +223,14 @@ class AggregatorClient:
         backoff: Backoff | None = None,
         rpc_timeout: float = 120.0,
         min_link_bytes_per_second: float = MIN_LINK_BYTES_PER_SECOND,
+        keepalive_seconds: float = KEEPALIVE_SECONDS,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        options = channel_options(server_name)
+        if min_link_bytes_per_second <= 0:
+            raise ValueError(f"min_link_bytes_per_second must be > 0, got {min_link_bytes_per_second}")
+        options = channel_options(
+            server_name, min_link_bytes_per_second=min_link_bytes_per_second, keepalive_seconds=keepalive_seconds
+        )
         if tls_ca or tls_cert:
             self.channel = grpc.secure_channel(target, _credentials(tls_ca, tls_cert, tls_key), options=options)
         else:
@@ -230,8 +243,6 @@ class AggregatorClient:
         self.token = token
         self.backoff = backoff or Backoff()
         self.rpc_timeout = rpc_timeout
-        if min_link_bytes_per_second <= 0:
-            raise ValueError(f"min_link_bytes_per_second must be > 0, got {min_link_bytes_per_second}")
         self.min_link_bytes_per_second = min_link_bytes_per_second
         self._sleep = sleep
         self._owns_channel = True

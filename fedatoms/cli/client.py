@@ -200,7 +200,8 @@ def add_parser(sub: Any) -> None:
         type=float,
         default=None,
         help="the slowest link a fetch or push is given time for before it is cut and retried "
-        "(its deadline: 120 s plus its bytes at this rate) [8]",
+        "(its deadline: 120 s plus its bytes at this rate; a keepalive ping's ack, 1.25 x 256 KiB at this rate, "
+        "at least 60 s) [8]",
     )
     run.add_argument(
         "--allow-model",

@@ -106,6 +106,40 @@ def test_a_link_too_slow_for_the_call_deadline_still_fetches_and_pushes(tmp_path
             proxy.close()
 
 
+def test_a_working_link_slower_than_a_window_per_ping_timeout_moves_each_transfer_in_one_attempt(
+    tmp_path: Path,
+) -> None:
+    """A keepalive ping's ack waits behind the data queued ahead of it, up to a receive window (256 KiB): at
+    30 KB/s that is 9 s. With a ping every second and a timeout of two pings (the rule before, 30 s and 60 s
+    in production), every push on this link was cut, and since a cut attempt keeps only whole 1 MiB chunks,
+    the 606 KB update never got through (in production: any link under about 35 kbit/s). The timeout now
+    allows for a window at the slowest link the client declares (16 KB/s: 20 s), so both transfers take one
+    attempt each, and a dead link is still found by the ping."""
+    with aggregator(tmp_path, "digits-cnn") as port:
+        proxy = LinkProxy(port, rate=30_000)
+
+        def never(delay: float) -> None:
+            raise AssertionError(f"a transfer on a working link was retried after {proxy.connections} connection(s)")
+
+        slow = AggregatorClient(proxy.target, keepalive_seconds=1.0, min_link_bytes_per_second=16_000, sleep=never)
+        direct = AggregatorClient(f"127.0.0.1:{port}")
+        try:
+            spec, slow.token = two_members(direct)
+            task = slow.get_task()
+            fetched = slow.fetch(spec, {}, round_=task.train.round)
+            reference = direct.fetch(spec, {}, round_=task.train.round)
+            assert all(torch.equal(fetched.model[n][0], t) for n, (t, _) in reference.model.items())
+            update = {name: tensor + 0.001 for name, (tensor, _) in fetched.model.items()}
+            started = time.monotonic()
+            assert slow.push(task.train.round, "u-slow-link", 100, {}, update).accepted
+            assert time.monotonic() - started > 10  # the link really was that slow: 606 KB at 30 KB/s
+            assert proxy.connections == 1
+        finally:
+            slow.close()
+            direct.close()
+            proxy.close()
+
+
 def test_a_download_cut_again_and_again_resumes_with_the_tensors_it_completed(tmp_path: Path) -> None:
     """Every connection drops after 16 MB of the 45 MB ResNet-18: restarting from byte 0 never ends;
     keeping the completed tensors finishes in a few attempts, with the same model a clean link gets."""
