@@ -116,13 +116,14 @@ def discrepancy(dispersion: float, interval: int, numel: int) -> float:
 
     ``dispersion`` is the weighted Σ p_k‖u_l − x_l^k‖² of the pre-broadcast client values; dividing by
     τ_l makes it per round, by dim(u_l) per parameter: the discrepancy a sync removes per unit of cost.
-    A streamed Σp‖x‖² − ‖u‖² can round a few ulps below zero, so negatives are clamped to 0.
+    A streamed Σp‖x‖² − ‖u‖² can round a few ulps below zero, so negatives are clamped to 0. An empty
+    tensor (a model's 0-element buffer) holds nothing clients could disagree on: 0.
     """
     interval = _int_param("interval", interval, 1)
-    numel = _int_param("numel", numel, 1)
+    numel = _int_param("numel", numel, 0)
     if isinstance(dispersion, bool) or not isinstance(dispersion, numbers.Real) or not math.isfinite(dispersion):
         raise ValueError(f"dispersion must be a finite number, got {dispersion!r}")
-    return max(float(dispersion), 0.0) / (interval * numel)
+    return 0.0 if numel == 0 else max(float(dispersion), 0.0) / (interval * numel)
 
 
 def is_relaxable(tensor: TensorSpec) -> bool:

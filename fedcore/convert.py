@@ -195,7 +195,9 @@ def full_rank_layers(
     leading factorizable layers (in the order the model defines them, the head aside) whose
     weights hold together at most ``share`` of all theirs.
     """
-    candidates = [name for name, m in model.named_modules() if factorizable_conv(m) or type(m) is nn.Linear]
+    candidates = [  # a module reused at two paths answers to either
+        name for name, m in model.named_modules(remove_duplicate=False) if factorizable_conv(m) or type(m) is nn.Linear
+    ]
     if patterns is None:
         patterns = getattr(model, FULL_RANK_ATTRIBUTE, None)
     if patterns is None:
@@ -236,15 +238,42 @@ def factorize(
         for name, m in model.named_modules()
         if name != head and (factorizable_conv(m) or (type(m) is nn.Linear and factorization.low_rank))
     ]
+    replacements = []
     for name, old in targets:
         new = _replacement(old, factorization, keep_full_rank=name in keep)
-        if new is None:
-            continue
+        if new is not None:
+            replacements.append((name, old, new))
+    _refuse_untying(model, [name for name, _, _ in replacements], factorization)
+    for name, old, new in replacements:
+        for pname, p in new.named_parameters():  # a frozen layer stays frozen in its factors
+            p.requires_grad_(old.bias.requires_grad if pname == "bias" else old.weight.requires_grad)
         device = next(old.parameters()).device
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child, new.to(device=device, dtype=old.weight.dtype))
     return model
+
+
+def _refuse_untying(model: nn.Module, replaced: Sequence[str], factorization: Factorization) -> None:
+    """A layer about to get factors of its own must not share a parameter with another path: its new factors
+    would untie it, and the exported plain model would keep one of the diverged copies (the last loaded)."""
+    paths: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for pname, p in module.named_parameters(recurse=False):
+            paths.setdefault(id(p), []).append(prefix + pname)
+    replaced_set = set(replaced)
+    for names in paths.values():
+        modules = {n.rpartition(".")[0] for n in names}
+        if len(names) > 1 and modules & replaced_set:
+            layers = ", ".join(sorted(modules))
+            whole = (
+                f"keep them whole with full_rank = {sorted(modules)}, or " if factorization.kind == "lowrank" else ""
+            )
+            raise ValueError(
+                f"{' and '.join(names)} are one tied parameter, and factorization {factorization.kind!r} would give "
+                f"layers {layers} factors of their own, untying them: {whole}use factorization 'none'"
+            )
 
 
 def _replacement(old: nn.Module, f: Factorization, keep_full_rank: bool) -> nn.Module | None:

@@ -116,7 +116,7 @@ def tensor_roles(model: nn.Module, head: str | None = None) -> dict[str, str]:
     """
     head = head_name(model, head)
     roles: dict[str, str] = {}
-    for module_name, module in model.named_modules():
+    for module_name, module in model.named_modules(remove_duplicate=False):  # a module reused: every path
         prefix = f"{module_name}." if module_name else ""
         for pname, _ in module.named_parameters(recurse=False):
             if head is not None and module_name == head:
@@ -143,12 +143,30 @@ def _args_json(args: Mapping[str, Any]) -> str:
 
 
 def _meta_module(spec: ModelSpec) -> nn.Module:
+    """The model with shapes only, built on the meta device: no memory, no initialization cost. A builder that
+    computes with tensor values (torchvision's RegNets take ``.tolist()`` of a tensor) cannot run there; it
+    is built on the CPU instead and then moved, and what it raises there is the model's error."""
     torch_state = torch.random.get_rng_state()
     try:
-        with torch.device("meta"):  # shapes only: no memory, no initialization cost
-            return spec.build()
+        try:
+            with torch.device("meta"):
+                return spec.build()
+        except ValueError as exc:
+            if not _meta_only(exc):
+                raise
+        return spec.build().to("meta")
     finally:
         torch.random.set_rng_state(torch_state)  # deriving a spec must not disturb anyone's seed
+
+
+def _meta_only(exc: BaseException) -> bool:
+    """Whether ``exc`` came from a builder reading a value the meta device does not hold."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, NotImplementedError | RuntimeError) and "meta" in str(cause):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 @cache

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from image_folders import write_folder
 
+import fedatoms
 from fedatoms.simulate import SimulationConfig, run_simulation
 from fedcore.data import labels_of
 from fedcore.datasource import open_data
@@ -107,22 +108,35 @@ def test_a_batchnorm_model_learns_over_grpc_in_eval_mode(three_digits: Path, tmp
 
 
 USER_NET = '''
+import torch
 from torch import nn
 
 
+class Net(nn.Sequential):
+    """A buffer with no elements (a model's placeholder), which broke FedLAMA's discrepancy per element."""
+
+    def __init__(self, *layers):
+        super().__init__(*layers)
+        self.register_buffer("placeholder", torch.zeros(0))
+
+
 def build(num_classes=10):
-    """The user's own: a conv with BatchNorm, then a linear head (12x12 RGB pictures)."""
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 10 * 10, num_classes)
+    """The user's own: a conv with BatchNorm, one conv module applied twice (a reused module, whose two paths
+    the spec once missed), then a linear head (12x12 RGB pictures)."""
+    shared = nn.Conv2d(8, 8, 3, padding=1)
+    return Net(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), shared, nn.ReLU(), shared, nn.Flatten(),
+        nn.Linear(8 * 10 * 10, num_classes)
     )
 '''
 
 
 def test_simulate_over_grpc_runs_the_users_own_model_and_leaves_no_temporary_directory(
-    folder: Path, tmp_path: Path
+    folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The agents the simulation starts import the model its command names (it is the user's code, not a
-    server's choice), and the run's temporary directory is gone afterwards."""
+    server's choice), and the run's temporary directory is gone afterwards. The model has the shapes users
+    have: a reused module, an empty buffer; both stopped a run before."""
     (tmp_path / "user_net.py").write_text(USER_NET)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
@@ -130,12 +144,16 @@ def test_simulate_over_grpc_runs_the_users_own_model_and_leaves_no_temporary_dir
         sys.executable, "-m", "fedatoms", "simulate", "--transport", "grpc", "--data", str(folder),
         "--model", "user_net:build", "--input-shape", "3,12,12", "--clients", "2", "--fraction", "1",
         "--rounds", "1", "--partition", "iid", "--output", str(tmp_path / "out.json"),
+        "--save-model", str(tmp_path / "model.safetensors"),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)]), "TMPDIR": str(scratch)}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "out.json").read_text())["rounds"][0]["round"] == 1
     assert not list(scratch.glob("fedatoms-sim-*"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model = fedatoms.load_model(tmp_path / "model.safetensors", allowed_models=["user_net"])
+    assert model[3] is model[5]  # the reused module is one module in the model a user gets back
 
 
 @pytest.mark.parametrize(

@@ -154,3 +154,93 @@ def test_a_reference_needs_an_input_shape_and_the_right_number_of_classes() -> N
         spec.check_forward()  # where a federation takes the model (the shapes alone need no forward pass)
     with pytest.raises(ValueError, match="import reference"):
         ModelSpec("not a reference", 10, input_shape=(3, 32, 32))
+
+
+class TiedConvs(nn.Module):
+    """``c3`` applies ``c2``'s weight (one Parameter) with a bias of its own, on 3×8×8."""
+
+    def __init__(self, num_classes: int = 3) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.c3 = nn.Conv2d(8, 8, 3, padding=1)
+        self.c3.weight = self.c2.weight
+        self.head = nn.Linear(8, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.c3(torch.relu(self.c2(torch.relu(self.c1(x)))))).mean((2, 3)))
+
+
+class ReusedBlock(nn.Module):
+    """One conv module at two paths, ``block.0`` and ``block.2`` (the usual weight-sharing idiom), on 3×8×8."""
+
+    def __init__(self, num_classes: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        shared = nn.Conv2d(8, 8, 3, padding=1)
+        self.block = nn.Sequential(shared, nn.ReLU(), shared)
+        self.head = nn.Linear(8, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.block(torch.relu(self.stem(x)))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("model", [TiedConvs, ReusedBlock])
+def test_a_tied_weight_a_factorization_would_untie_is_refused_and_kept_whole_it_stays_tied(model) -> None:
+    """Each layer that is replaced gets factors of its own: a weight two layers shared would train apart, and
+    the exported plain model would keep whichever copy loads last. Refused by name; kept whole (FedHM's
+    full_rank), the layers still hold one Parameter after a training step."""
+    paths = ["c2", "c3"] if model is TiedConvs else ["block.0", "block.2"]
+    for kind in ("atoms", "atoms-lowrank", "lowrank"):
+        with pytest.raises(ValueError, match=rf"{paths[0]}\.weight and {paths[1]}\.weight are one tied parameter"):
+            factorize(model(), Factorization(kind, rank_ratio=0.5))
+    net = factorize(model(), Factorization("lowrank", rank_ratio=0.5), full_rank=paths)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    net(torch.randn(4, 3, 8, 8)).sum().backward()
+    optimizer.step()
+    assert net.get_parameter(f"{paths[0]}.weight") is net.get_parameter(f"{paths[1]}.weight")
+
+
+def test_a_module_reused_at_two_paths_has_a_spec_that_names_both() -> None:
+    """``state_dict`` keeps both paths of a reused module, so the spec must too (it raised KeyError)."""
+    spec = ModelSpec("test_convert:ReusedBlock", 3, input_shape=(3, 8, 8))
+    names = {t.name for t in spec.tensors}
+    assert names == set(ReusedBlock().state_dict())
+    assert {"block.0.weight", "block.2.weight"} <= names
+    spec.check_forward()
+
+
+def test_a_frozen_layer_stays_frozen_in_its_factors() -> None:
+    """A layer the model's code froze (``requires_grad_(False)``) gets no gradient in the plain model, and its
+    factors must get none either: they trained, so a frozen stem moved once factorized."""
+
+    def frozen() -> nn.Module:
+        net = Mixed()
+        net.stem.requires_grad_(False)
+        net.fc.weight.requires_grad_(False)  # the weight alone: its bias trains
+        return net
+
+    x = torch.randn(2, 4, 6, 6)
+    plain = frozen()
+    plain(x).sum().backward()
+    assert plain.stem.weight.grad is None and plain.fc.weight.grad is None and plain.fc.bias.grad is not None
+    for kind in ("atoms", "lowrank", "atoms-lowrank"):
+        net = factorize(frozen(), Factorization(kind, rank_ratio=0.5), full_rank=[])
+        net(x).sum().backward()
+        assert isinstance(net.stem, AtomConv2d | LowRankConv2d), kind
+        assert all(p.grad is None for p in net.stem.parameters()), kind
+        if isinstance(net.fc, LowRankLinear):
+            assert net.fc.lowrank_u.grad is None and net.fc.lowrank_v.grad is None and net.fc.bias.grad is not None
+        assert net.cls.weight.grad is not None
+
+
+def test_a_builder_that_reads_tensor_values_gets_its_spec_from_a_cpu_build() -> None:
+    """torchvision's RegNets take ``.tolist()`` of a tensor while they build, which the meta device cannot
+    answer: every RegNet was refused as unbuildable. The spec now comes from a CPU build, and its tensors are
+    the model's own."""
+    spec = ModelSpec("torchvision.models:regnet_x_400mf", 3, model_args={"num_classes": 3}, input_shape=(3, 32, 32))
+    import torchvision
+
+    reference = torchvision.models.regnet_x_400mf(num_classes=3).state_dict()
+    assert {t.name: t.shape for t in spec.tensors} == {name: tuple(t.shape) for name, t in reference.items()}
+    spec.check_forward()
