@@ -111,6 +111,7 @@ def run_task(
             personal_model=state.personal_model if method == "ditto" else None,
             on_epoch=(lambda done, total: bar.update(1)) if bar is not None else None,
             nested=None if task.config.nested_rank_ratio is None else nested_cut(spec, task.config.nested_rank_ratio),
+            head=[t.name for t in spec.tensors if t.role == "head"] or None,  # the federation's head, if it names one
         )
     finally:
         if bar is not None:

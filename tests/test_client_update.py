@@ -183,3 +183,35 @@ def test_personal_atoms_under_batchnorm_are_evaluated_with_statistics_of_their_o
     assert evaluation.personalized_accuracy == evaluation.global_accuracy
     with pytest.raises(ValueError, match="needs the client's training data"):
         evaluate_client(state, spec, test32, device="cpu")
+
+
+def test_fedrep_trains_the_head_the_federation_names_not_the_last_linear():
+    """With ``head = "fc1"`` the client keeps ``fc1`` (its personal head) and pushes the rest, but FedRep's
+    head phase took the last Linear: the body phase then trained the personal head and the first phase a
+    body layer. Oracle: full-batch gradient descent written here, ``fc1`` first, then every other layer."""
+    spec = ModelSpec("digits-cnn", 10, head="fc1")
+    train, _ = load_dataset("digits")
+    data = train.subset(range(48))
+    torch.manual_seed(0)
+    start = spec.build()
+    state = ClientState("c0", 1.0)
+    state.receive({n: (t.clone(), 0) for n, t in start.state_dict().items()})
+    personal = personal_tensors(spec, "fedrep")
+    assert personal == ("fc1.weight", "fc1.bias")
+    config = TrainConfig(
+        local_epochs=2, head_epochs=3, batch_size=48, lr=0.05, momentum=0.0, device="cpu", personalization="fedrep"
+    )
+    due = tuple(n for n in spec.names if n not in personal)
+    push = run_task(state, spec, TrainTask(1, due, config, False, seed=1), data)
+
+    oracle = dict(start.named_parameters())
+    for names, steps in ((personal, 3), (due, 2)):
+        optimizer = torch.optim.SGD([oracle[n] for n in names], lr=0.05)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            F.cross_entropy(start(data.x), data.y.long()).backward()
+            optimizer.step()
+    for name in personal:
+        torch.testing.assert_close(state.personal_model[name], oracle[name].detach(), rtol=1e-5, atol=1e-6)
+    for name in due:
+        torch.testing.assert_close(push.tensors[name], oracle[name].detach(), rtol=1e-5, atol=1e-6)

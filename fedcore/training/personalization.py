@@ -45,7 +45,8 @@ def personal_tensors(spec: ModelSpec, method: str) -> tuple[str, ...]:
     """Names of ``spec``'s tensors (any tier) that ``method`` keeps on the client instead of the global ones.
 
     Empty for ``none``, ``ft`` and ``ditto`` (the server aggregates the whole model). A split of a
-    model with no ``head`` module is refused: FedPer, FedRep and LG-FedAvg cut at the last Linear.
+    model with no head is refused: FedPer, FedRep and LG-FedAvg cut at the head (the last Linear, or the
+    federation's ``head``).
     """
     if method not in PERSONALIZATIONS:
         raise ValueError(f"unknown personalization {method!r}; choose one of {', '.join(PERSONALIZATIONS)}")
@@ -56,8 +57,8 @@ def personal_tensors(spec: ModelSpec, method: str) -> tuple[str, ...]:
     head = tuple(t.name for t in spec.tensors if t.role == "head")
     if not head:
         raise ValueError(
-            f"personalization {method!r} splits the model at its last Linear, which must be a module named "
-            f"'head'; {spec.describe()} has none"
+            f"personalization {method!r} splits the model at its head (its last nn.Linear, or the module "
+            f"[federation] head names); {spec.describe()} has no nn.Linear: name its head"
         )
     if method in ("fedper", "fedrep"):
         return head

@@ -7,7 +7,7 @@ the same rounds.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from torch import Tensor, nn
 
@@ -42,6 +42,7 @@ def local_update(
     personal_model: Mapping[str, Tensor] | None = None,
     on_epoch: Callable[[int, int], None] | None = None,
     nested: NestedCut | None = None,
+    head: Collection[str] | None = None,
 ) -> LocalResult:
     """One client's round of local training; ``model`` is trained in place on the resolved device.
 
@@ -61,7 +62,8 @@ def local_update(
     ``config.bn_statistics == "precise"`` the model's BatchNorm statistics are then recomputed for
     its trained weights (:mod:`~fedcore.training.batchnorm`). ``nested`` (a client above its mixed-tier
     federation's smallest tier) trains the smallest tier's part of the model as that model
-    (:mod:`~fedcore.training.nested`); the personal phases train as they are.
+    (:mod:`~fedcore.training.nested`); the personal phases train as they are. ``head`` names the head's
+    parameters where the federation names its head (FedRep's split); else the last Linear is the head.
     """
     began = time.perf_counter()
     device = resolve_device(config.device)
@@ -104,9 +106,9 @@ def local_update(
         new_model = {k: _cpu(v) for k, v in ditto.state_dict().items()}
         del ditto
     if method == "fedrep":
-        metrics.update(train_head(model, batches, config, seed))
-        head = set(head_parameters(model))
-        params = {n: p for n, p in params.items() if n not in head}
+        head = list(head) if head is not None else head_parameters(model)
+        metrics.update(train_head(model, batches, config, seed, head))
+        params = {n: p for n, p in params.items() if n not in set(head)}
 
     if plan is not None:
         start = plan.start
