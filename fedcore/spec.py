@@ -182,6 +182,12 @@ def _derive(spec: ModelSpec) -> tuple:
             full_name = f"{name.rpartition('.')[0]}.{FACTOR_ROLES[role]}"
         tensors.append(TensorSpec(name, tuple(t.shape), _dtype_name(t.dtype), role, full_name))
     params = sum(p.numel() for p in net.parameters())
+    if spec.factorization == "atoms" and not any(t.role == "atoms" for t in tensors):
+        raise ValueError(
+            f"factorization 'atoms' finds no conv of model {spec.model!r} to decompose (atoms need an nn.Conv2d "
+            "with a square kernel > 1, groups = 1 and zero padding): the federation would be plain FedAvg; "
+            "use factorization 'none'"
+        )
     return tuple(tensors), params
 
 

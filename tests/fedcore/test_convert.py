@@ -244,3 +244,18 @@ def test_a_builder_that_reads_tensor_values_gets_its_spec_from_a_cpu_build() -> 
     reference = torchvision.models.regnet_x_400mf(num_classes=3).state_dict()
     assert {t.name: t.shape for t in spec.tensors} == {name: tuple(t.shape) for name, t in reference.items()}
     spec.check_forward()
+
+
+def test_atoms_on_a_model_without_a_conv_to_decompose_is_refused() -> None:
+    """An MLP under factorization 'atoms' ran plain FedAvg without a word; the user asked for atoms."""
+    with pytest.raises(ValueError, match="factorization 'atoms' finds no conv"):
+        _ = ModelSpec("test_convert:Perceptron", 3, "atoms", input_shape=(4,)).tensors
+    assert {t.role for t in ModelSpec("test_convert:Perceptron", 3, "atoms-lowrank", input_shape=(4,)).tensors} == {
+        "body",
+        "head",
+    }
+
+
+class Perceptron(nn.Sequential):
+    def __init__(self, num_classes: int = 3) -> None:
+        super().__init__(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, num_classes))
