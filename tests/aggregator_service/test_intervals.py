@@ -395,6 +395,7 @@ def test_discrepancy_formula() -> None:
     assert discrepancy(3.75, 3, 2) == pytest.approx(0.625)
     assert discrepancy(3.75, 1, 2) == pytest.approx(1.875)
     assert discrepancy(-1e-12, 2, 10) == 0.0  # streamed variance rounding below zero
-    for args in ((1.0, 0, 2), (1.0, 1, 0), (math.nan, 1, 2), (math.inf, 1, 2)):
+    assert discrepancy(0.0, 1, 0) == 0.0  # an empty tensor (a 0-element buffer): nothing to disagree on
+    for args in ((1.0, 0, 2), (1.0, 1, -1), (math.nan, 1, 2), (math.inf, 1, 2)):
         with pytest.raises(ValueError):
             discrepancy(*args)
