@@ -451,6 +451,31 @@ def _latest_tier_accuracy(session: Session, fed_id: int, last_closed: int | None
     return dict((extra or {}).get("tier_accuracy") or {})
 
 
+def _latest_evaluations(session: Session, fed_id: int, last_eval: int | None) -> dict[str, Any] | None:
+    """The latest evaluated round's means. With ``history_rounds`` a round keeping ``evaluations`` rows is newer
+    than every pruned one; with none left (a round just closed, its reports to come), the latest pruned round
+    that was evaluated gives its kept summary, as an unpruned database would give its rows' means."""
+    if last_eval is not None:
+        return evaluation_means(session, fed_id, [last_eval]).get(last_eval)
+    m = store.RoundMetrics
+    kept = session.scalars(
+        select(m)
+        .where(m.federation_id == fed_id, m.mean_client_accuracy.is_not(None))
+        .order_by(m.round.desc())
+        .limit(1)
+    ).first()
+    if kept is None:
+        return None
+    extra = kept.extra or {}
+    loss = (extra.get("evaluation_sums") or {}).get("global_loss")
+    return {
+        "clients": int(extra.get("evaluations", 0)),
+        "mean_client_accuracy": kept.mean_client_accuracy,
+        "mean_client_loss": None if not loss else (loss[0] / loss[1] if loss[1] else loss[2] / loss[3]),
+        "personalized_accuracy": kept.personalized_accuracy,
+    }
+
+
 def metrics_snapshot(
     session: Session, fed: store.Federation, online_since: datetime, buckets: Sequence[float]
 ) -> dict[str, Any]:
@@ -504,7 +529,7 @@ def metrics_snapshot(
         "test_loss": _latest(session, fed.id, m.test_loss),
         "dispersion": _latest(session, fed.id, m.dispersion),
         "tier_accuracy": _latest_tier_accuracy(session, fed.id, last_closed),
-        "evaluations": None if last_eval is None else evaluation_means(session, fed.id, [last_eval]).get(last_eval),
+        "evaluations": _latest_evaluations(session, fed.id, last_eval),
         "tensors": tensors,
     }
 

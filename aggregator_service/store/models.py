@@ -206,6 +206,9 @@ class Client(Base):
     bytes_up: Mapped[int] = mapped_column(BigInteger, default=0)
     bytes_down: Mapped[int] = mapped_column(BigInteger, default=0)
     last_accuracy: Mapped[float | None] = mapped_column(Float)
+    #: the latest round whose evaluation by this client was counted: clients report rounds in order, so a report
+    #: at or below it for a round whose ``evaluations`` rows are pruned (``history_rounds``) is a retry
+    evaluated_through: Mapped[int] = mapped_column(Integer, server_default=text("0"), deferred=True)
 
     @property
     def revoked(self) -> bool:

@@ -1,5 +1,5 @@
-"""``history_rounds``: a transfer counted late for a pruned round adds to its sums only, in the process that pruned
-it and in one restarted on its database.
+"""``history_rounds``: a transfer or an evaluation reported late for a pruned round adds to its sums only, in the
+process that pruned it and in one restarted on its database; the dashboard shows what an unpruned one does.
 
 The coordinator keeps the retention watermark (``federations.history_pruned_through``) in memory: read
 when it loads, moved by its own closes. A stale copy would write ``transfers`` and ``tensor_metrics`` rows
@@ -15,12 +15,17 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 from grpc_helpers import Client, register, shards, small_federation
 from sqlalchemy import Connection, event, select
+from support import postgres_base, postgres_schema
 
 from aggregator_service import store
 from aggregator_service.coordinator import Coordinator
 from aggregator_service.coordinator.answers import ClientInfo
+from dashboard_api.app import create_app
+from dashboard_api.settings import DashboardSettings
+from fedwire.v1 import aggregator_pb2 as pb
 
 LATE = 40  # bytes of each late evaluation fetch
 
@@ -253,3 +258,73 @@ def test_a_write_in_flight_goes_with_the_prune(start_service, postgres_url) -> N
     assert after["eval_transfers"] == []
     assert after["eval_sums"] == {2: LATE}
     assert waited == 1  # the close waited for the flush
+
+
+# --------------------------------------------------------------------------- late evaluation reports
+
+#: what each client reports of each round: (global accuracy, personalized accuracy or None, num_samples)
+_REPORTS = {0: (0.5, 0.6, 10), 1: (0.8, None, 30), 2: (0.1, 0.3, 1000)}
+
+
+def _report(client: Client, round_: int, which: int) -> bool:
+    accuracy, personal, n = _REPORTS[which]
+    request = pb.EvaluationReport(
+        round=round_, global_accuracy=accuracy + round_ / 100, global_loss=1.0 + which, num_samples=n
+    )
+    if personal is not None:
+        request.personalized_accuracy = personal + round_ / 100
+    return client.stub.ReportEvaluation(request, metadata=client.auth).recorded
+
+
+def _federation_with_late_reports(
+    start_service, url: str, history_rounds: int | None
+) -> tuple[list[dict[str, Any]], list[bool], list[float]]:
+    """Three clients, three rounds; the third reports each round after the next one closed, the others
+    before, and retries of counted reports come after their round's history went. Returns ``/api/v1/rounds``
+    what each report's reply said (``recorded``) and ``/metrics``' mean client accuracy after rounds 2 and 3 closed."""
+    service = start_service(url, federation=small_federation(rounds=5, min_clients=3), history_rounds=history_rounds)
+    clients = [register(service.stub, 1.0, d) for d in shards(3)]
+    recorded, gauges = [], []
+    with TestClient(create_app(DashboardSettings(database_url=url))) as api:
+        for round_ in (1, 2, 3):
+            for c in clients:
+                assert c.round_trip()[0] == round_
+            assert service.coordinator.federation.round == round_
+            if round_ > 1:  # late: round − 1 closed, and with history_rounds = 1 pruned, before it comes
+                recorded += [_report(clients[2], round_ - 1, 2), _report(clients[2], 1, 2)]  # and a retry
+                # /metrics before round_'s reports: the latest evaluated round is a pruned one
+                lines = api.get("/metrics").text.splitlines()
+                gauges += [
+                    float(line.split()[1]) for line in lines if line.startswith("fedatoms_mean_client_accuracy ")
+                ]
+            recorded += [_report(c, round_, i) for i, c in enumerate(clients[:2])]
+        recorded.append(_report(clients[0], 2, 0))  # a retry of a report counted before round 2 was pruned
+        assert _watermark(url) == (0 if history_rounds is None else 2)
+        service.stop()
+        return api.get("/api/v1/rounds").json()["items"], recorded, gauges
+
+
+def _late_reports_count_in_pruned_rounds(start_service, pruned_url: str, unpruned_url: str) -> None:
+    """The oracle is the same federation unpruned: every figure of ``/rounds`` agrees, late reports included."""
+    unpruned, unpruned_recorded, unpruned_gauges = _federation_with_late_reports(start_service, unpruned_url, None)
+    pruned, pruned_recorded, pruned_gauges = _federation_with_late_reports(start_service, pruned_url, 1)
+    assert [r["number"] for r in pruned] == [r["number"] for r in unpruned] == [1, 2, 3]
+    assert [r["evaluations"] for r in unpruned] == [3, 3, 2]
+    for got, want in zip(pruned, unpruned, strict=True):
+        assert got["evaluations"] == want["evaluations"], got["number"]
+        for key in ("mean_client_accuracy", "personalized_accuracy"):
+            assert got[key] == pytest.approx(want[key], rel=1e-12, abs=0), (got["number"], key)
+    assert len(unpruned_gauges) == 2 and pruned_gauges == pytest.approx(unpruned_gauges, rel=1e-12, abs=0)
+    assert pruned_recorded == unpruned_recorded == [True, True, True, False, True, True, True, False, True, True, False]
+
+
+def test_late_reports_count_in_pruned_rounds_sqlite(start_service, tmp_path) -> None:
+    _late_reports_count_in_pruned_rounds(
+        start_service, f"sqlite:///{tmp_path / 'pruned.db'}", f"sqlite:///{tmp_path / 'unpruned.db'}"
+    )
+
+
+def test_late_reports_count_in_pruned_rounds_postgres(start_service) -> None:
+    base = postgres_base()
+    with postgres_schema(base) as pruned, postgres_schema(base) as unpruned:
+        _late_reports_count_in_pruned_rounds(start_service, pruned, unpruned)

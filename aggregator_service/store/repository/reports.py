@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, case, func, select, update
 from sqlalchemy.orm import Session
 
 from ..models import Client, Evaluation, Federation, Round, RoundMetrics, TensorMetric
@@ -29,11 +29,31 @@ _ROUND_EXISTS = (
     .join(Round, Round.federation_id == Federation.id)
     .where(Round.federation_id == bindparam("fed"), Round.number == bindparam("round"))
 )
-_SET_LAST_ACCURACY = (
-    update(Client.__table__)  # type: ignore[arg-type]  # a Table at runtime
-    .where(Client.__table__.c.id == bindparam("cid"))
-    .values(last_accuracy=bindparam("accuracy"))
+_CLIENTS = Client.__table__
+# after a first report: the client's last accuracy (when it gave one) and its latest counted round
+_COUNT_FOR_CLIENT = (
+    update(_CLIENTS)  # type: ignore[arg-type]  # a Table at runtime
+    .where(_CLIENTS.c.id == bindparam("cid"))
+    .values(
+        last_accuracy=func.coalesce(bindparam("accuracy"), _CLIENTS.c.last_accuracy),
+        evaluated_through=case(
+            (_CLIENTS.c.evaluated_through < bindparam("round"), bindparam("round")),
+            else_=_CLIENTS.c.evaluated_through,
+        ),
+    )
 )
+# a report for a pruned round counts only above the client's latest counted round (below or at it: a retry)
+_COUNT_PRUNED = (
+    update(_CLIENTS)  # type: ignore[arg-type]
+    .where(_CLIENTS.c.id == bindparam("cid"), _CLIENTS.c.evaluated_through < bindparam("round"))
+    .values(
+        last_accuracy=func.coalesce(bindparam("accuracy"), _CLIENTS.c.last_accuracy),
+        evaluated_through=bindparam("round"),
+    )
+)
+
+#: what a round's evaluations are summed into, so a pruned round's means take a late report exactly
+_SUMMED = ("global_accuracy", "global_loss", "personalized_accuracy")
 
 
 @prebuilt
@@ -56,12 +76,13 @@ def record_evaluation(
     num_samples: int = 0,
     now: datetime | None = None,
 ) -> bool:
-    """Record a client's evaluation after ``round``; ``False`` when it had reported already (the first stands)
-    or the round's history is pruned (``history_rounds``: its evaluations are summarized already).
+    """Record a client's evaluation after ``round``; ``False`` when it had reported already (the first stands).
 
     A client that retries a report whose reply it lost sends the same numbers again; keeping the
     first makes the retry harmless and needs no read before the write (``INSERT … ON CONFLICT DO
     NOTHING``). Also sets the client's ``last_accuracy`` (personalized accuracy when given, else global).
+    A round whose history is pruned (``history_rounds``) has no rows to add to: the report adds to the
+    sums its metrics row keeps (:func:`_count_in_pruned_round`), so its figures are an unpruned database's.
     """
     values = {
         "global_accuracy": _finite(global_accuracy, "global_accuracy"),
@@ -74,17 +95,75 @@ def record_evaluation(
     found = conn.execute(_ROUND_EXISTS, {"fed": fed.id, "round": round}).first()
     if found is None:
         raise NotFound(f"federation {fed.name!r} has no round {round}")
-    if round <= found[0]:
-        return False
-    row = {"federation_id": fed.id, "round": round, "client_id": client_id, **values}
-    if conn.execute(_first_evaluation(conn.dialect.name), row).first() is None:
-        return False
     accuracy = (
         values["personalized_accuracy"] if values["personalized_accuracy"] is not None else values["global_accuracy"]
     )
-    if accuracy is not None:
-        conn.execute(_SET_LAST_ACCURACY, {"cid": client_id, "accuracy": accuracy})
+    client = {"cid": client_id, "accuracy": accuracy, "round": round}
+    if round <= found[0]:
+        return _count_in_pruned_round(session, fed, round, client, values)
+    row = {"federation_id": fed.id, "round": round, "client_id": client_id, **values}
+    if conn.execute(_first_evaluation(conn.dialect.name), row).first() is None:
+        return False
+    conn.execute(_COUNT_FOR_CLIENT, client)
     return True
+
+
+def _count_in_pruned_round(
+    session: Session, fed: Federation, round: int, client: dict[str, Any], values: dict[str, Any]
+) -> bool:
+    """Add a late report to a pruned round's kept sums and means; ``False`` for a retry (the client's reports
+    are in round order: one at or below its latest counted round was counted) or a round pruned before its
+    sums were kept."""
+    metrics = session.get(RoundMetrics, (fed.id, round), with_for_update=True, populate_existing=True)
+    extra: dict[str, Any] = dict((metrics.extra if metrics is not None else None) or {})
+    if "evaluation_sums" not in extra:
+        return False
+    if session.connection().execute(_COUNT_PRUNED, client).rowcount != 1:
+        return False
+    sums = {k: list(v) for k, v in extra["evaluation_sums"].items()}
+    _add(sums, values["num_samples"], values)
+    summary = _summary(sums, int(extra.get("evaluations", 0)) + 1)
+    _keep_summary(metrics, summary, sums)
+    return True
+
+
+def _add(sums: dict[str, list[float]], n: int, values: Any) -> None:
+    """Add one report to ``sums``: per measure Σ v·n, Σ n, Σ v and the count of reports that gave it."""
+    for attr in _SUMMED:
+        v = values[attr] if isinstance(values, dict) else getattr(values, attr)
+        if v is not None:
+            s = sums.setdefault(attr, [0.0, 0, 0.0, 0])
+            s[0] += v * n
+            s[1] += n
+            s[2] += v
+            s[3] += 1
+
+
+def _summary(sums: dict[str, list[float]], clients: int) -> dict[str, Any]:
+    """Σ v·n / Σ n over reports that gave ``v``; the plain mean where none gave ``num_samples``."""
+
+    def mean(attr: str) -> float | None:
+        weighted, weight, plain, count = sums.get(attr) or (0.0, 0, 0.0, 0)
+        if not count:
+            return None
+        return plain / count if weight == 0 else weighted / weight
+
+    return {
+        "clients": clients,
+        "mean_client_accuracy": mean("global_accuracy"),
+        "mean_client_loss": mean("global_loss"),
+        "personalized_accuracy": mean("personalized_accuracy"),
+    }
+
+
+def _keep_summary(metrics: RoundMetrics, summary: dict[str, Any], sums: dict[str, list[float]]) -> None:
+    """What the dashboard shows of a pruned round, and the sums a late report adds to."""
+    metrics.mean_client_accuracy = summary["mean_client_accuracy"]
+    metrics.personalized_accuracy = summary["personalized_accuracy"]
+    extra: dict[str, Any] = dict(metrics.extra or {})
+    extra["evaluations"] = summary["clients"]
+    extra["evaluation_sums"] = sums
+    metrics.extra = extra
 
 
 def round_evaluations(session: Session, fed: Federation, round: int) -> list[Evaluation]:
@@ -97,25 +176,18 @@ def round_evaluations(session: Session, fed: Federation, round: int) -> list[Eva
     )
 
 
+def _sums_of(evals: list[Evaluation]) -> dict[str, list[float]]:
+    """Per measure of :data:`_SUMMED`: Σ v·n, Σ n, Σ v and how many of ``evals`` gave it."""
+    sums: dict[str, list[float]] = {}
+    for e in evals:
+        _add(sums, e.num_samples, e)
+    return sums
+
+
 def evaluation_summary(session: Session, fed: Federation, round: int) -> dict[str, float | int | None]:
     """Sample-weighted means of the round's evaluations (unweighted where no client gave ``num_samples``)."""
     evals = round_evaluations(session, fed, round)
-
-    def mean(attr: str) -> float | None:
-        pairs = [(getattr(e, attr), e.num_samples) for e in evals if getattr(e, attr) is not None]
-        if not pairs:
-            return None
-        weight = sum(n for _, n in pairs)
-        if weight == 0:
-            return sum(v for v, _ in pairs) / len(pairs)
-        return sum(v * n for v, n in pairs) / weight
-
-    return {
-        "clients": len(evals),
-        "mean_client_accuracy": mean("global_accuracy"),
-        "mean_client_loss": mean("global_loss"),
-        "personalized_accuracy": mean("personalized_accuracy"),
-    }
+    return _summary(_sums_of(evals), len(evals))
 
 
 # --------------------------------------------------------------------------- dashboard reads

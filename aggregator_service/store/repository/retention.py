@@ -9,14 +9,12 @@ the detail of old rounds and keep their bytes, accuracies and client counts.
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from ..models import Evaluation, Federation, RoundMetrics, TensorMetric, Transfer
 from ._common import _attached
-from .reports import evaluation_summary
+from .reports import _keep_summary, _summary, _sums_of, round_evaluations
 
 __all__ = ["MAX_ROUNDS_PER_PRUNE", "prune_history"]
 
@@ -29,11 +27,11 @@ def prune_history(session: Session, fed: Federation, last_closed: int, keep_roun
     """Delete the ``transfers``, ``evaluations`` and ``tensor_metrics`` of rounds numbered below the
     ``keep_rounds`` latest; returns the last round pruned so far (``federations.history_pruned_through``).
 
-    Each newly pruned round's evaluations are first summarized into its metrics row (the weighted
-    means :func:`evaluation_summary` gives, their count in ``extra['evaluations']``), so its mean
-    client accuracy stays on the dashboard; its bytes stay in ``round_bytes`` and in the clients'
-    lifetime counters. Reports and transfers that arrive later for a pruned round add to those
-    totals only (:func:`record_evaluation`, :func:`record_transfers`).
+    Each newly pruned round's evaluations are first summed into its metrics row (``extra['evaluation_sums']``,
+    with the weighted means :func:`evaluation_summary` gives and their count in ``extra['evaluations']``),
+    so its mean client accuracy stays on the dashboard; its bytes stay in ``round_bytes`` and in the
+    clients' lifetime counters. Reports and transfers that arrive later for a pruned round add to those
+    sums (:func:`record_evaluation`, :func:`record_transfers`), so its figures stay an unpruned database's.
     """
     if keep_rounds < 1:
         raise ValueError(f"keep_rounds must be ≥ 1, got {keep_rounds}")
@@ -42,20 +40,12 @@ def prune_history(session: Session, fed: Federation, last_closed: int, keep_roun
     cutoff = min(last_closed - keep_rounds, start + MAX_ROUNDS_PER_PRUNE)
     if cutoff <= start:
         return start
-    e = Evaluation
-    evaluated = session.scalars(
-        select(e.round).where(e.federation_id == row.id, e.round > start, e.round <= cutoff).group_by(e.round)
-    ).all()
-    for round_ in evaluated:
-        metrics = session.get(RoundMetrics, (row.id, round_))
-        if metrics is None:
-            continue  # an abandoned round: nobody evaluated a model of it
-        summary = evaluation_summary(session, row, round_)
-        metrics.mean_client_accuracy = summary["mean_client_accuracy"]
-        metrics.personalized_accuracy = summary["personalized_accuracy"]
-        extra: dict[str, Any] = dict(metrics.extra or {})
-        extra["evaluations"] = summary["clients"]
-        metrics.extra = extra
+    m = RoundMetrics
+    kept = session.scalars(select(m).where(m.federation_id == row.id, m.round > start, m.round <= cutoff)).all()
+    for metrics in kept:  # every closed round, evaluated or not yet: a late report adds to its sums
+        evals = round_evaluations(session, row, metrics.round)
+        sums = _sums_of(evals)
+        _keep_summary(metrics, _summary(sums, len(evals)), sums)
     row.history_pruned_through = cutoff
     session.flush()
     for table in (Evaluation, Transfer, TensorMetric):  # ≤ cutoff: a row a concurrent late write left goes too

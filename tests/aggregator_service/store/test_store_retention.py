@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import numpy as np
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from aggregator_service import store
 from aggregator_service.store.repository import retention
@@ -47,7 +47,7 @@ def _rounds_with_rows(db, table) -> set[int]:
         return set(s.scalars(select(table.round).distinct()))
 
 
-def test_old_rounds_keep_their_totals_and_late_reports_add_only_to_them(db, world):
+def test_old_rounds_keep_their_totals_and_late_reports_add_to_them(db, world):
     for number in (1, 2, 3):
         _close(db, world, number)
     with db.factory.begin() as s:
@@ -66,21 +66,71 @@ def test_old_rounds_keep_their_totals_and_late_reports_add_only_to_them(db, worl
         }
         assert bytes_ == {(1, "train_fetch"): 300, (2, "train_fetch"): 300, (3, "train_fetch"): 300}
 
-    c = world.clients[2]
+    a, c = world.clients[0], world.clients[2]
     with db.factory.begin() as s:  # late: c's evaluation and eval fetch of round 2, after its history went
         fed = store.get_federation(s, world.fed.name)
-        assert not store.record_evaluation(s, fed, 2, c, global_accuracy=0.0, global_loss=9.0, num_samples=1000)
+        assert store.record_evaluation(s, fed, 2, c, global_accuracy=0.0, global_loss=9.0, num_samples=1000)
         store.record_transfers(s, fed, [(2, c, "eval_fetch", 40, {"w": 40}, 1000)])
+    with db.factory.begin() as s:  # retries: c's of round 2, a's of round 2 (it has reported round 3 since)
+        fed = store.get_federation(s, world.fed.name)
+        assert not store.record_evaluation(s, fed, 2, c, global_accuracy=0.0, global_loss=9.0, num_samples=1000)
+        assert not store.record_evaluation(s, fed, 2, a, global_accuracy=0.5, global_loss=1.0, num_samples=10)
+        assert not store.record_evaluation(s, fed, 1, c, global_accuracy=0.1, global_loss=1.0, num_samples=10)
     for table in (store.Transfer, store.Evaluation, store.TensorMetric):
         assert _rounds_with_rows(db, table) == {3}, table.__tablename__
     with db.factory() as s:
-        assert s.get(store.RoundMetrics, (world.fed.id, 2)).mean_client_accuracy == pytest.approx(0.725)
+        m2 = s.get(store.RoundMetrics, (world.fed.id, 2))
+        assert m2.mean_client_accuracy == pytest.approx((0.5 * 10 + 0.8 * 30 + 0.0 * 1000) / 1040)  # by hand
+        assert m2.extra["evaluations"] == 3
+        assert s.get(store.RoundMetrics, (world.fed.id, 1)).extra["evaluations"] == 2
         assert s.get(store.RoundBytes, (world.fed.id, 2, "eval_fetch")).bytes == 40
         assert s.get(store.Client, c).bytes_down == 3 * 100 + 40  # its lifetime counter has every byte
+        assert s.get(store.Client, c).last_accuracy == 0.0
 
     with db.factory.begin() as s:  # nothing newer to prune: the same watermark
         fed = store.get_federation(s, world.fed.name)
         assert store.prune_history(s, fed, last_closed=3, keep_rounds=1) == 2
+
+
+def test_a_round_pruned_before_anyone_evaluated_it_takes_late_reports(db, world):
+    """Round 1 is pruned with no evaluation yet (reports come after the close): late ones make its figures."""
+    _close(db, world, 1)
+    with db.factory.begin() as s:
+        s.execute(store.Evaluation.__table__.delete())  # as if nobody had reported round 1 yet
+        s.execute(update(store.Client).values(evaluated_through=0))
+    a, b, _ = world.clients
+    with db.factory.begin() as s:
+        fed = store.get_federation(s, world.fed.name)
+        assert store.prune_history(s, fed, last_closed=2, keep_rounds=1) == 1
+        m = s.get(store.RoundMetrics, (fed.id, 1))
+        assert m.mean_client_accuracy is None and m.extra["evaluations"] == 0
+    with db.factory.begin() as s:
+        fed = store.get_federation(s, world.fed.name)
+        assert store.record_evaluation(s, fed, 1, a, global_accuracy=0.5, global_loss=1.0, num_samples=10)
+        assert store.record_evaluation(
+            s, fed, 1, b, global_accuracy=0.8, global_loss=2.0, personalized_accuracy=0.9, num_samples=30
+        )
+    with db.factory() as s:
+        m = s.get(store.RoundMetrics, (world.fed.id, 1))
+        assert m.mean_client_accuracy == pytest.approx(0.725)
+        assert m.personalized_accuracy == pytest.approx(0.9)
+        assert m.extra["evaluations"] == 2
+
+
+def test_upgrading_counts_no_report_for_rounds_pruned_before(db, world):
+    """0009 sets each client's evaluated_through to its latest evaluated round and at least to what its
+    federation pruned: those rounds kept no sums, so a report for one stays refused."""
+    for number in (1, 2, 3):
+        _close(db, world, number)
+    with db.factory.begin() as s:
+        fed = store.get_federation(s, world.fed.name)
+        store.prune_history(s, fed, last_closed=3, keep_rounds=1)
+    store.downgrade(db.url, "0008_update_id_per_client")
+    store.upgrade(db.url)
+    with db.factory() as s:
+        got = {cid: s.get(store.Client, cid).evaluated_through for cid in world.clients}
+    a, b, c = world.clients
+    assert got == {a: 3, b: 3, c: 2}
 
 
 def test_a_long_backlog_is_pruned_over_several_closes(db, world, monkeypatch):

@@ -43,10 +43,10 @@ def test_upgrade_creates_every_table_and_is_idempotent(db_url):
 
     store.upgrade(db_url)
     assert _tables(db_url) == TABLES == set(store.Base.metadata.tables)
-    assert store.current_revision(db_url) == store.head_revision() == "0008_update_id_per_client"
+    assert store.current_revision(db_url) == store.head_revision() == "0009_client_evaluated_through"
 
     store.upgrade(db_url)  # a second start-up migrates nothing and fails nothing
-    assert store.current_revision(db_url) == "0008_update_id_per_client"
+    assert store.current_revision(db_url) == "0009_client_evaluated_through"
     assert _tables(db_url) == TABLES
 
 
