@@ -10,7 +10,10 @@ it trained but has not seen acknowledged (so a restart re-pushes it with the sam
 
 :meth:`ClientState.save` writes everything to one safetensors file (tensors) whose metadata
 holds the rest as JSON, through a temporary file and an atomic rename: a kill at any moment
-leaves either the previous state or the new one, never a mix.
+leaves either the previous state or the new one, never a mix. The file is written here, tensor
+by tensor, to the one temporary name the next save writes over: safetensors' ``save_file`` writes
+through a temporary file of its own, randomly named, which a kill left behind for good (a device
+with frequent power cuts filled its flash with them); the next save removes those.
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.numpy import save_file as save_numpy
-from safetensors.torch import save_file
 from torch import Tensor
 
 __all__ = ["STATE_FILE", "ClientState", "PendingUpdate", "TakenUpdate"]
@@ -55,6 +58,80 @@ class StateError(ValueError):
 _STRATEGY = "strategy."  # group prefix of the strategy state ("strategy.control", …)
 _PENDING_STRATEGY = "pending_strategy."  # and of the pending update's, not yet kept
 _TAKEN_STRATEGY = "taken_strategy."  # and of the update taken, until its round's outcome is known
+
+
+#: safetensors' names for torch's dtypes
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-sized views numpy can hold
+
+
+def _write_safetensors(f: Any, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    """The safetensors format (a little-endian u64 header length, a JSON header padded to 8 bytes, then the
+    tensors' bytes), written tensor by tensor from views: no copy of the state in memory, and no file but ``f``
+    (safetensors' ``save_file`` writes a temporary file of its own that a kill leaves behind, and its ``save``
+    returns the whole file as one more copy in memory). Largest elements first (safetensors orders by dtype), so
+    every tensor stays aligned."""
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name}: a client state cannot hold {t.dtype} tensors")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    f.write(len(text).to_bytes(8, "little"))
+    f.write(text)
+    for name in order:
+        t = tensors[name]
+        words = t.reshape(-1).view(_WORDS[t.element_size()]).numpy()  # the tensor's bytes, not a copy
+        if sys.byteorder != "little":  # the format is little-endian: swap one tensor at a time
+            words = words.byteswap()
+        f.write(words.data.cast("B"))
+
+
+#: safetensors' own temporary files (Rust's tempfile: ".tmp" and 6 letters or digits), left by a save killed
+#: while it wrote through ``save_file``, before states were written here
+_LEFTOVER = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+
+
+def _discard_leftovers(directory: Path) -> None:
+    """Remove the temporary files that saves killed before this version left, each 14 MB at tier 1/8 and never
+    reused: only files of that name whose safetensors header holds a fedatoms state, which no other program
+    writes."""
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if _LEFTOVER.fullmatch(entry.name) and entry.is_file(follow_symlinks=False) and _is_state(entry.path):
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+
+
+def _is_state(path: str) -> bool:
+    """Whether ``path`` starts as a fedatoms client state (its header, whatever followed it)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= 100_000_000:
+                return False
+            header = json.loads(f.read(n))
+        meta = header.get("__metadata__") if isinstance(header, dict) else None
+        return isinstance(meta, dict) and "fedatoms" in meta
+    except (OSError, ValueError):
+        return False
 
 
 @dataclass
@@ -176,17 +253,16 @@ class ClientState:
         }
         path = directory / STATE_FILE
         tmp = directory / f".{STATE_FILE}.tmp"
-        metadata = {"fedatoms": json.dumps(meta)}
+        _discard_leftovers(directory)
         try:
-            if any(t.dtype == torch.bfloat16 for t in tensors.values()):  # numpy has no bfloat16
-                save_file({k: t.clone() for k, t in tensors.items()}, str(tmp), metadata=metadata)
-            else:  # the same file, written from numpy views: no copies, half the time of the torch path
-                save_numpy({k: t.numpy() for k, t in tensors.items()}, str(tmp), metadata=metadata)
-            if fsync:
-                with open(tmp, "rb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                _write_safetensors(f, tensors, {"fedatoms": json.dumps(meta)})
+                f.flush()
+                if fsync:
                     os.fsync(f.fileno())
             os.replace(tmp, path)
-        except (OSError, SafetensorError) as exc:  # a full disk, a read-only mount: the state before stays whole
+        except OSError as exc:  # a full disk, a read-only mount: the state before stays whole
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             raise StateWriteError(

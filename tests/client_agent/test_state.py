@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,119 @@ def test_a_state_the_directory_refuses_to_take_keeps_the_state_before(tmp_path) 
     with pytest.raises(StateWriteError, match=r"cannot save this device's state .* the state before is kept"):
         after.save(tmp_path)
     assert torch.equal(ClientState.load(tmp_path).global_tensors["w"], torch.ones(3))
+
+
+# ------------------------------------------------------------------ kills, leftovers, durability
+
+_SAVER = """
+import sys, torch
+from client_agent.state import ClientState, PendingUpdate
+v = 0
+while True:
+    v = v % 2 + 1
+    s = ClientState("c", 0.125, global_tensors={f"t{i}": torch.full((1200, 1000), float(v)) for i in range(2)})
+    s.versions = {f"t{i}": v for i in range(2)}
+    s.pending = PendingUpdate(v, f"id{v}", 10, {"loss": 1.0}, {"t0": torch.full((1200, 1000), float(v))})
+    s.save(sys.argv[1])
+"""
+
+
+def _kill_mid_write(tmp_path: Path, program: str, directory: Path, kills: int) -> list[set[str]]:
+    """Run ``program`` (it writes in ``directory`` forever) and SIGKILL it while a file other than the state is
+    being written (one with bytes that was not there, or changed since), ``kills`` times; what each kill left
+    besides the state."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from processes import ENV, ROOT
+
+    def others() -> dict[str, tuple[int, int, int]]:
+        seen = {}
+        for entry in os.scandir(directory):
+            if entry.name != STATE_FILE:
+                with contextlib.suppress(FileNotFoundError):
+                    st = entry.stat()
+                    if st.st_size:  # a file just created, empty, is not yet a write (nor worth removing)
+                        seen[entry.name] = (st.st_ino, st.st_mtime_ns, st.st_size)
+        return seen
+
+    left = []
+    for _ in range(kills):
+        before = others()
+        proc = subprocess.Popen([sys.executable, "-c", program, str(directory)], cwd=ROOT, env=ENV)
+        try:
+            deadline = time.monotonic() + 120
+            while not any(before.get(name) != st for name, st in others().items()):
+                assert proc.poll() is None and time.monotonic() < deadline, "no write in progress to kill"
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+        left.append(set(os.listdir(directory)) - {STATE_FILE})
+    return left
+
+
+def test_saves_killed_mid_write_leave_nothing_after_the_next_save(tmp_path: Path) -> None:
+    """safetensors' save_file wrote through a temporary file of its own (".tmpXXXXXX", 14 MB here); every kill
+    during a save left one for good, until a device that loses power often had its flash full."""
+    first = ClientState("c", 0.125, global_tensors={"t0": torch.zeros(1200, 1000), "t1": torch.zeros(1200, 1000)})
+    first.save(tmp_path)
+    left = _kill_mid_write(tmp_path, _SAVER, tmp_path, kills=3)
+    assert all(left), "every kill landed in a save"
+    state = ClientState.load(tmp_path)  # whole: the state before a killed save, or a save that completed
+    assert state is not None
+    values = {float(t[0, 0]) for t in state.global_tensors.values()} | {
+        float(t[-1, -1]) for t in state.global_tensors.values()
+    }
+    assert len(values) == 1
+    if values != {0.0}:
+        v = int(values.pop())
+        assert set(state.versions.values()) == {v} and state.pending is not None and state.pending.update_id == f"id{v}"
+    state.save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [STATE_FILE]
+
+
+def test_the_temporary_files_of_earlier_versions_go_at_the_next_save_and_no_other(tmp_path: Path) -> None:
+    """A device updated from a version that saved through safetensors' save_file has its leftovers back; a file
+    of the same kind of name that holds no client state is not this code's and stays."""
+    state = ClientState("c", 0.125, global_tensors={"t": torch.ones(4)})
+    state.save(tmp_path)
+    old_saver = """
+import sys, json, numpy as np
+from safetensors.numpy import save_file
+while True:
+    save_file({"global/t": np.ones((3000, 1000), np.float32)}, sys.argv[1] + "/state.safetensors",
+              metadata={"fedatoms": json.dumps({"format": 1})})
+"""
+    left = _kill_mid_write(tmp_path, old_saver, tmp_path, kills=2)
+    old = set().union(*left)
+    assert old and all(name.startswith(".tmp") and len(name) == 10 for name in old), old
+    (tmp_path / ".tmpOther1").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00" + b'{"__metadata__":{"x":"y"}}')
+    (tmp_path / ".tmpNotMe2").write_text("another program's")
+    state.save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([STATE_FILE, ".tmpOther1", ".tmpNotMe2"])
+    assert torch.equal(ClientState.load(tmp_path).global_tensors["t"], torch.ones(4))
+
+
+def test_the_state_file_is_what_safetensors_reads(tmp_path: Path) -> None:
+    """The file is written here, not by safetensors: its own reader takes it back, every dtype a state holds."""
+    from safetensors import safe_open
+
+    tensors = {
+        "w": torch.randn(3, 4),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "half": torch.randn(5).to(torch.bfloat16),
+        "fp16": torch.randn(2, 2).half(),
+        "mask": torch.tensor([True, False, True]),
+        "steps": torch.arange(7),
+        "bytes": torch.arange(5, dtype=torch.uint8),
+        "f64": torch.randn(3, dtype=torch.float64),
+    }
+    ClientState("c", 1.0, global_tensors=tensors).save(tmp_path)
+    with safe_open(str(tmp_path / STATE_FILE), framework="pt") as f:
+        back = {k.removeprefix("global/"): f.get_tensor(k) for k in f.keys()}
+    assert back.keys() == tensors.keys()
+    assert all(back[k].dtype == tensors[k].dtype and torch.equal(back[k], tensors[k]) for k in tensors)
