@@ -31,7 +31,7 @@ import torch
 
 from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS, check_model_allowed
 from client_agent.pacing import ComputeSlot, RoundWatch
-from client_agent.state import ClientState, PendingUpdate, TakenUpdate
+from client_agent.state import ClientState, PendingUpdate, TakenUpdate, sync_directory
 from client_agent.transport import (
     LONG_POLL_SECONDS,
     RETRYABLE,
@@ -95,6 +95,7 @@ class Credentials:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, directory / CREDENTIALS_FILE)
+        sync_directory(directory)  # the rename too: a power cut now must not lose the identity registered
 
     @classmethod
     def load(cls, directory: Path) -> Credentials | None:

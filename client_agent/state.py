@@ -19,6 +19,7 @@ with frequent power cuts filled its flash with them); the next save removes thos
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -31,7 +32,7 @@ import torch
 from safetensors import SafetensorError
 from torch import Tensor
 
-__all__ = ["STATE_FILE", "ClientState", "PendingUpdate", "TakenUpdate"]
+__all__ = ["STATE_FILE", "ClientState", "PendingUpdate", "TakenUpdate", "sync_directory"]
 
 STATE_FILE = "state.safetensors"
 _FORMAT = 1
@@ -58,6 +59,19 @@ class StateError(ValueError):
 _STRATEGY = "strategy."  # group prefix of the strategy state ("strategy.control", …)
 _PENDING_STRATEGY = "pending_strategy."  # and of the pending update's, not yet kept
 _TAKEN_STRATEGY = "taken_strategy."  # and of the update taken, until its round's outcome is known
+
+
+def sync_directory(directory: Path) -> None:
+    """fsync ``directory`` after a rename into it: the file's bytes were synced, but until its directory is, a
+    power cut can bring the old name back (or none). A file system that cannot sync a directory is let be."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 #: safetensors' names for torch's dtypes
@@ -269,6 +283,14 @@ class ClientState:
                 f"{directory}: cannot save this device's state ({_reason(exc)}); the state before is kept: free "
                 "space or make the directory writable, then run the agent again"
             ) from exc
+        if fsync:
+            try:
+                sync_directory(directory)
+            except OSError as exc:
+                raise StateWriteError(
+                    f"{directory}: the state was written but its directory could not be synced ({_reason(exc)}); a "
+                    "power cut may bring the state before back: check the storage, then run the agent again"
+                ) from exc
         return path
 
     @classmethod

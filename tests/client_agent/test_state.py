@@ -249,3 +249,43 @@ def test_the_state_file_is_what_safetensors_reads(tmp_path: Path) -> None:
         back = {k.removeprefix("global/"): f.get_tensor(k) for k in f.keys()}
     assert back.keys() == tensors.keys()
     assert all(back[k].dtype == tensors[k].dtype and torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def _record_fsyncs(monkeypatch: pytest.MonkeyPatch, directory: Path, watched: str) -> list[str]:
+    """os.fsync records, for each call, what it synced: "dir" with whether ``watched`` was in it already (the
+    rename came first), or "file"."""
+    import os
+
+    real = os.fsync
+    synced: list[str] = []
+    dir_stat = os.stat(directory)
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) == (dir_stat.st_dev, dir_stat.st_ino):
+            synced.append(f"dir with {watched}" if (directory / watched).exists() else "dir")
+        else:
+            synced.append("file")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+def test_a_durable_save_syncs_its_directory_after_the_rename(tmp_path: Path, monkeypatch) -> None:
+    """A synced file renamed into an unsynced directory can come back after a power cut under its old name."""
+    synced = _record_fsyncs(monkeypatch, tmp_path, STATE_FILE)
+    ClientState("c", 1.0, global_tensors={"w": torch.ones(3)}).save(tmp_path)
+    assert synced == ["file", f"dir with {STATE_FILE}"]
+    synced.clear()
+    ClientState("c", 1.0, global_tensors={"w": torch.ones(3)}).save(tmp_path, fsync=False)  # a simulation's
+    assert synced == []
+
+
+def test_credentials_are_synced_with_their_directory(tmp_path: Path, monkeypatch) -> None:
+    from client_agent.agent import CREDENTIALS_FILE, Credentials
+
+    synced = _record_fsyncs(monkeypatch, tmp_path, CREDENTIALS_FILE)
+    Credentials("c1", "secret-token", 1.0, "{}", "default", 20.0).save(tmp_path)
+    assert synced == ["file", f"dir with {CREDENTIALS_FILE}"]
+    assert Credentials.load(tmp_path) is not None
