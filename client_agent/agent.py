@@ -61,6 +61,7 @@ EXIT_CODES = {
     "unauthenticated": 3,  # wrong enrollment secret, or the token was revoked / is unknown
     "unreachable": 4,  # gave up after --give-up-after seconds of network failures
     "diverged": 5,  # local training produced NaN/Inf: lower the federation's learning rate
+    "out_of_memory": 6,  # the tier's model does not fit this device's memory: enroll anew, declaring less
     "interrupted": 130,  # SIGINT / SIGTERM
 }
 
@@ -583,6 +584,10 @@ class Agent:
         except TrainingDiverged as exc:
             log.error("event=diverged detail=%s", json.dumps(str(exc)))
             return EXIT_CODES["diverged"]
+        except (MemoryError, RuntimeError) as exc:
+            if not out_of_memory(exc):
+                raise
+            return self._out_of_memory(exc)
         except grpc.RpcError as exc:
             if exc.code() in RETRYABLE:  # type: ignore[attr-defined]  # retried until --give-up-after ran out
                 log.error("event=unreachable detail=%s", json.dumps(exc.details()))  # type: ignore[attr-defined]
@@ -592,6 +597,20 @@ class Agent:
             stop.set()
             if beat is not None:  # gRPC aborts the process if a thread is mid-call at exit
                 beat.join(timeout=15)
+
+    def _out_of_memory(self, exc: BaseException) -> int:
+        """Say in one line what to do; the exit code that stops a service manager from restarting into the same
+        failure (each restart fetched the model again, every 30 s)."""
+        tier = self.credentials.tier if self.credentials is not None else None
+        hint = (
+            f"this device cannot train its tier{'' if tier is None else f' ({tier:g})'} in the memory it has, and a "
+            f"restart would run out again: the tier is fixed at enrollment in {self.state_dir / CREDENTIALS_FILE}. "
+            f"Declare a smaller memory_bytes in the capability profile (--profile) and delete {self.state_dir} to "
+            "enroll anew as a new client, or give the agent more memory"
+        )
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        log.error("event=out_of_memory detail=%s hint=%s", json.dumps(detail), json.dumps(hint))
+        return EXIT_CODES["out_of_memory"]
 
     def _heartbeats(self, stop: threading.Event, interval: float) -> None:
         while not stop.wait(max(1.0, interval)):
@@ -618,6 +637,54 @@ def _refused(exc: Unauthenticated) -> int:
     )
     log.error("event=unauthenticated detail=%s hint=%s", json.dumps(str(exc)), json.dumps(hint))
     return EXIT_CODES["unauthenticated"]
+
+
+#: what torch says when an allocation failed: c10's CPU allocator, and ENOMEM's strerror (a failed mmap)
+_ALLOCATION_FAILED = ("DefaultCPUAllocator: can't allocate memory", "Cannot allocate memory")
+#: oneDNN's error for any primitive it could not create; its status (out of memory, unimplemented…) is lost
+_ONEDNN_FAILED = "could not create a primitive"
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed: MemoryError, torch's OutOfMemoryError (a GPU's), or an error
+    that says so. oneDNN's "could not create a primitive" does not say why, so it counts only when this process is
+    at a memory limit that fails allocations (where a new primitive's memory is what could not be had)."""
+    if isinstance(exc, MemoryError | getattr(torch, "OutOfMemoryError", MemoryError)):
+        return True
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc)
+    return any(m in text for m in _ALLOCATION_FAILED) or (_ONEDNN_FAILED in text and _at_memory_limit())
+
+
+def _at_memory_limit(margin: float = 0.1) -> bool:
+    """Within ``margin`` of a limit (at least 64 MiB) that makes an allocation fail rather than the OOM killer act:
+    RLIMIT_DATA on VmData, RLIMIT_AS on VmSize, strict overcommit's CommitLimit on Committed_AS (Linux)."""
+    import resource
+
+    def kib(path: str, keys: tuple[str, ...]) -> dict[str, int]:
+        found = {}
+        with contextlib.suppress(OSError, ValueError, IndexError), open(path) as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in keys:
+                    found[key] = int(line.split()[1]) * 1024
+        return found
+
+    def near(limit: int, used: int | None) -> bool:
+        return used is not None and limit - used < max(64 * 2**20, margin * limit)
+
+    status = kib("/proc/self/status", ("VmData", "VmSize"))
+    for which, key in ((resource.RLIMIT_DATA, "VmData"), (resource.RLIMIT_AS, "VmSize")):
+        soft = resource.getrlimit(which)[0]
+        if soft != resource.RLIM_INFINITY and near(soft, status.get(key)):
+            return True
+    with contextlib.suppress(OSError):
+        if Path("/proc/sys/vm/overcommit_memory").read_text().strip() == "2":
+            meminfo = kib("/proc/meminfo", ("CommitLimit", "Committed_AS"))
+            if "CommitLimit" in meminfo and near(meminfo["CommitLimit"], meminfo.get("Committed_AS")):
+                return True
+    return False
 
 
 LOCK_FILE = ".agent.lock"

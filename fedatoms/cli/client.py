@@ -152,7 +152,8 @@ def add_parser(sub: Any) -> None:
         "run",
         help="register (once), then train for the federation until it is done",
         description="Exit codes: 0 done, 2 bad arguments, 3 refused by the aggregator (secret/token), "
-        "4 aggregator unreachable for --give-up-after seconds, 5 local training diverged, 130 interrupted.",
+        "4 aggregator unreachable for --give-up-after seconds, 5 local training diverged, 6 out of memory (the tier "
+        "does not fit this device: enroll anew declaring a smaller memory_bytes), 130 interrupted.",
     )
     run.add_argument("--server", required=True, help="aggregator HOST:PORT")
     run.add_argument(

@@ -213,7 +213,7 @@ def test_the_systemd_recipe_migrates_and_serves_with_its_env_file(tmp_path: Path
 def test_the_client_unit_runs_client_run_and_restarts_by_its_exit_codes() -> None:
     """fedatoms-client.service's command, its variables filled from client.env as systemd fills them, is one
     `fedatoms client run` takes; a stop (SIGTERM) counts as success, and the exits a restart cannot mend (bad
-    flags or data, a refused secret or token, diverged training) stay stopped."""
+    flags or data, a refused secret or token, diverged training, a tier too large for the memory) stay stopped."""
     from client_agent.agent import EXIT_CODES
     from fedatoms.cli import build_parser
 
@@ -230,7 +230,7 @@ def test_the_client_unit_runs_client_run_and_restarts_by_its_exit_codes() -> Non
     assert "FEDATOMS_ENROLLMENT_SECRET" in env  # the first start enrolls with it
     directives = dict(line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#"))
     assert directives["SuccessExitStatus"].split() == [str(EXIT_CODES["interrupted"])]
-    prevent = {EXIT_CODES[k] for k in ("usage", "unauthenticated", "diverged")}
+    prevent = {EXIT_CODES[k] for k in ("usage", "unauthenticated", "diverged", "out_of_memory")}
     assert {int(c) for c in directives["RestartPreventExitStatus"].split()} == prevent
     assert directives["Restart"] == "on-failure"  # 0: the federation is done
     assert args.state_dir == "/var/lib/fedatoms-client" and directives["StateDirectory"] == "fedatoms-client"
