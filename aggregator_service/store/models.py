@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import (
     BigInteger,
@@ -180,6 +180,9 @@ class Client(Base):
     """An enrolled device; authenticated by the SHA-256 of its bearer token."""
 
     __tablename__ = "clients"
+    # evaluated_through is read and written by Core statements alone: an insert need not return its default
+    # (nor so need the column, which a database written before 0009 lacks)
+    __mapper_args__: ClassVar[dict[str, Any]] = {"eager_defaults": False}
     __table_args__ = (
         Index(None, "federation_id", "last_seen"),
         Index(None, "federation_id", "registered_at"),
