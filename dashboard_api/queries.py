@@ -464,16 +464,7 @@ def _latest_evaluations(session: Session, fed_id: int, last_eval: int | None) ->
         .order_by(m.round.desc())
         .limit(1)
     ).first()
-    if kept is None:
-        return None
-    extra = kept.extra or {}
-    loss = (extra.get("evaluation_sums") or {}).get("global_loss")
-    return {
-        "clients": int(extra.get("evaluations", 0)),
-        "mean_client_accuracy": kept.mean_client_accuracy,
-        "mean_client_loss": None if not loss else (loss[0] / loss[1] if loss[1] else loss[2] / loss[3]),
-        "personalized_accuracy": kept.personalized_accuracy,
-    }
+    return None if kept is None else store.kept_evaluation_summary(kept)
 
 
 def metrics_snapshot(

@@ -18,7 +18,8 @@ import pytest
 from processes import ENV, ROOT, SECRET, Aggregator
 from support import free_port
 
-from client_agent.agent import EXIT_CODES, out_of_memory
+from client_agent.agent import EXIT_CODES
+from client_agent.memory import out_of_memory
 
 HERE = Path(__file__).resolve().parent
 HEADROOM_MB = 128  # the client's fixed costs fit (tests/client_agent/test_streaming_memory.py)
@@ -62,7 +63,7 @@ def test_onednn_failing_counts_as_out_of_memory_only_at_a_memory_limit() -> None
     assert not out_of_memory(onednn)  # this process: no limit
     program = (
         "import resource\n"
-        "from client_agent.agent import out_of_memory\n"
+        "from client_agent.memory import out_of_memory\n"
         "used = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmData:'))\n"
         "resource.setrlimit(resource.RLIMIT_DATA, (used + 32 * 2**20, resource.RLIM_INFINITY))\n"
         "print(out_of_memory(RuntimeError('could not create a primitive')), out_of_memory(RuntimeError('other')))\n"

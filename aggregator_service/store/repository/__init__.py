@@ -56,6 +56,8 @@ from .enrollment import (
 )
 from .reports import (
     evaluation_summary,
+    keep_evaluation_summary,
+    kept_evaluation_summary,
     list_rounds,
     record_evaluation,
     round_evaluations,
@@ -121,6 +123,8 @@ __all__ = [
     "hash_secret",
     "hash_token",
     "iter_round_updates",
+    "keep_evaluation_summary",
+    "kept_evaluation_summary",
     "list_clients",
     "list_rounds",
     "load_global_tensors",

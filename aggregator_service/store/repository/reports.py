@@ -13,6 +13,8 @@ from ._common import NotFound, _count, _finite, _now, _page, prebuilt, upsert_fo
 
 __all__ = [
     "evaluation_summary",
+    "keep_evaluation_summary",
+    "kept_evaluation_summary",
     "list_rounds",
     "record_evaluation",
     "round_evaluations",
@@ -164,6 +166,27 @@ def _keep_summary(metrics: RoundMetrics, summary: dict[str, Any], sums: dict[str
     extra["evaluations"] = summary["clients"]
     extra["evaluation_sums"] = sums
     metrics.extra = extra
+
+
+def keep_evaluation_summary(metrics: RoundMetrics, evals: list[Evaluation]) -> None:
+    """Sum a round's ``evals`` into its metrics row before they are pruned (see :func:`kept_evaluation_summary`)."""
+    sums = _sums_of(evals)
+    _keep_summary(metrics, _summary(sums, len(evals)), sums)
+
+
+def kept_evaluation_summary(metrics: RoundMetrics) -> dict[str, Any]:
+    """A pruned round's :func:`evaluation_summary`, from the sums its metrics row keeps. A round pruned before
+    sums were kept (a database written before 0009) has its means but no loss: ``mean_client_loss`` is ``None``."""
+    extra = metrics.extra or {}
+    clients = int(extra.get("evaluations", 0))
+    if "evaluation_sums" in extra:
+        return _summary(extra["evaluation_sums"], clients)
+    return {
+        "clients": clients,
+        "mean_client_accuracy": metrics.mean_client_accuracy,
+        "mean_client_loss": None,
+        "personalized_accuracy": metrics.personalized_accuracy,
+    }
 
 
 def round_evaluations(session: Session, fed: Federation, round: int) -> list[Evaluation]:

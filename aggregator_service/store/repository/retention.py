@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from ..models import Evaluation, Federation, RoundMetrics, TensorMetric, Transfer
 from ._common import _attached
-from .reports import _keep_summary, _summary, _sums_of, round_evaluations
+from .reports import keep_evaluation_summary, round_evaluations
 
 __all__ = ["MAX_ROUNDS_PER_PRUNE", "prune_history"]
 
@@ -43,9 +43,7 @@ def prune_history(session: Session, fed: Federation, last_closed: int, keep_roun
     m = RoundMetrics
     kept = session.scalars(select(m).where(m.federation_id == row.id, m.round > start, m.round <= cutoff)).all()
     for metrics in kept:  # every closed round, evaluated or not yet: a late report adds to its sums
-        evals = round_evaluations(session, row, metrics.round)
-        sums = _sums_of(evals)
-        _keep_summary(metrics, _summary(sums, len(evals)), sums)
+        keep_evaluation_summary(metrics, round_evaluations(session, row, metrics.round))
     row.history_pruned_through = cutoff
     session.flush()
     for table in (Evaluation, Transfer, TensorMetric):  # ≤ cutoff: a row a concurrent late write left goes too
