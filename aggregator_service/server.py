@@ -53,7 +53,7 @@ from fedcore import codec
 from fedcore.tiers import CapabilityProfile
 from fedwire import framing
 from fedwire.allocator import release_free_memory, reuse_message_buffers
-from fedwire.flow_control import MAX_MESSAGE_BYTES, RECEIVE_WINDOW_BYTES
+from fedwire.flow_control import MAX_MESSAGE_BYTES, RECEIVE_WINDOW_BYTES, check_chunk_bytes
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
@@ -329,8 +329,18 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                 )
             held_control = {v.name: v.version for v in request.held_control}
             control = [(n, t, v) for n, t, v in control if held_control.get(n) != v]
+            chunk_bytes = codec.CHUNK_BYTES
+            if request.HasField("chunk_bytes"):
+                try:
+                    chunk_bytes = check_chunk_bytes(request.chunk_bytes)
+                except ValueError as exc:
+                    raise InvalidArgument(f"FetchRequest.{exc}") from None
             # a tensor the client holds in part (a fetch cut midway through it) goes on where it broke off
-            resumed = self._resumed_fetch(client, request.resume, model, control) if request.HasField("resume") else {}
+            resumed = (
+                self._resumed_fetch(client, request.resume, model, control, chunk_bytes)
+                if request.HasField("resume")
+                else {}
+            )
         except Exception as exc:
             if _is_abort(exc):
                 raise
@@ -339,10 +349,14 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             _handle(context, exc, "FetchModel")
         sent: dict[str, int] = {}
 
+        built: dict[tuple[int, str], tuple[tuple[bytes, int], ...]] = {}  # this fetch's, at its chunk size
+
         def tensor_entries(kind: int, name: str, tensor: Tensor, version: int) -> tuple[tuple[bytes, int], ...]:
-            all_of_it = self._entries(client.tier, kind, name, tensor, version)
+            all_of_it = built.get((kind, name))
+            if all_of_it is None:
+                all_of_it = built[kind, name] = self._entries(client.tier, kind, name, tensor, version, chunk_bytes)
             start = resumed.get((kind, name), 0)
-            return all_of_it[start // codec.CHUNK_BYTES :] if start else all_of_it
+            return all_of_it[start // chunk_bytes :] if start else all_of_it
 
         # the model's bytes, offered and sent: a fetch cut midway counts that share of a FedAvg transfer (the
         # control alone, SCAFFOLD's, is none)
@@ -359,7 +373,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
                         yield entry, nbytes, (name, kind == pb.TENSOR_KIND_MODEL)
 
         try:
-            for group in framing.packed(entries()):
+            for group in framing.packed(entries(), chunk_bytes):
                 for _, nbytes, (name, of_model) in group:  # handed to the transport: sent, unless the call ends first
                     sent[name] = sent.get(name, 0) + nbytes
                     if of_model:
@@ -380,6 +394,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         resume: pb.TensorResume,
         model: list[tuple[str, Tensor, int]],
         control: list[tuple[str, Tensor, int]],
+        chunk_bytes: int,
     ) -> dict[tuple[int, str], int]:
         """``{(kind, name): offset}`` where ``resume`` continues a tensor this fetch sends at the version the
         client holds part of; ``{}`` where that tensor changed since (it goes whole). A request no fetch could
@@ -402,10 +417,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             raise InvalidArgument(
                 f"FetchRequest.resume.kind {kind} is neither TENSOR_KIND_MODEL nor TENSOR_KIND_SERVER_CONTROL"
             )
-        if resume.offset <= 0 or resume.offset % codec.CHUNK_BYTES:
+        if resume.offset <= 0 or resume.offset % chunk_bytes:
             raise InvalidArgument(
                 f"FetchRequest.resume.offset {resume.offset} is not where a chunk of {resume.name!r} began: "
-                f"tensors go in chunks of {codec.CHUNK_BYTES} bytes, a cut fetch resumes at a multiple of that"
+                f"this fetch cuts tensors in chunks of {chunk_bytes} bytes, a cut fetch resumes at a multiple of that"
             )
         for name, tensor, version in tensors:
             if name == resume.name and version == resume.version:
@@ -419,11 +434,12 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         return {}
 
     def _entries(
-        self, tier: float, kind: int, name: str, tensor: Tensor, version: int
+        self, tier: float, kind: int, name: str, tensor: Tensor, version: int, chunk_bytes: int = codec.CHUNK_BYTES
     ) -> tuple[tuple[bytes, int], ...]:
         """The tensor encoded (fp16 per the federation), cut into ≤ 1 MiB chunks and serialized as
         ``TensorChunkBatch`` entries (:func:`framing.batch_entry`), with their payload sizes: built once
-        per version and shared by every fetch.
+        per version and shared by every fetch. A fetch asking for smaller chunks (a client on a link that
+        breaks before 1 MiB arrives) gets its own, built for it alone.
 
         FetchModel's serializer passes ``bytes`` through (:func:`framing.serialize`), so concurrent and
         repeated fetches send the same bytes (a 1 MiB chunk is its own batch, sent without a copy)
@@ -431,6 +447,10 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
         tensor object until its version changes (or a reload rolls it back), so object and version
         together say the entries are current.
         """
+        if chunk_bytes != codec.CHUNK_BYTES:
+            encoded = codec.encode(tensor, fp16=self.fp16, name=name)
+            chunks = codec.iter_chunks(name, encoded, version=version, chunk_bytes=chunk_bytes)
+            return tuple((framing.batch_entry(c, kind), len(c.data)) for c in chunks)
         key = (tier, kind, name)
         hit = self._wire_cache.get(key)
         if hit is not None and hit[0] is tensor and hit[1] == version:

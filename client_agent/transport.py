@@ -43,7 +43,13 @@ from fedcore.spec import ModelSpec
 from fedcore.tiers import CapabilityProfile
 from fedcore.training import TrainConfig
 from fedwire import framing
-from fedwire.flow_control import KEEPALIVE_SECONDS, MAX_MESSAGE_BYTES, RECEIVE_WINDOW_BYTES, keepalive_timeout
+from fedwire.flow_control import (
+    KEEPALIVE_SECONDS,
+    MAX_MESSAGE_BYTES,
+    RECEIVE_WINDOW_BYTES,
+    MessageSize,
+    keepalive_timeout,
+)
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
@@ -244,6 +250,8 @@ class AggregatorClient:
         self.backoff = backoff or Backoff()
         self.rpc_timeout = rpc_timeout
         self.min_link_bytes_per_second = min_link_bytes_per_second
+        #: chunk and message size of transfers on this link (shared by the clients :meth:`sharing` it)
+        self.message_size = MessageSize()
         self._sleep = sleep
         self._owns_channel = True
         self.stop: threading.Event | None = None  # set (stop_on): calls in flight are cancelled, retries end
@@ -479,6 +487,7 @@ class AggregatorClient:
         following: list[codec.Reassembler | None] = [None, None]  # the retry's (model, control), holding a part
         received = [0]
         nbytes = sum(int(np.prod(shape)) * 4 for shape, _ in expected.values()) * (2 if include_server_control else 1)
+        cuts = [0]
 
         def once() -> Fetched:
             model, control = following[0] or codec.Reassembler(), following[1] or codec.Reassembler()
@@ -486,6 +495,9 @@ class AggregatorClient:
             request.ClearField("held")
             request.ClearField("held_control")
             request.ClearField("resume")
+            request.ClearField("chunk_bytes")
+            if self.message_size.bytes != codec.CHUNK_BYTES:  # unset at the default: any server takes it
+                request.chunk_bytes = self.message_size.bytes
             if part is not None:
                 request.resume.CopyFrom(pb.TensorResume(name=part[0], version=part[1], offset=part[2]))
                 control_part = None  # one resume a request: the control's part goes whole again
@@ -508,6 +520,8 @@ class AggregatorClient:
                     for kind, chunk in batch:
                         (control if kind == pb.TENSOR_KIND_SERVER_CONTROL else model).add(chunk)
             except grpc.RpcError:
+                cuts[0] += 1
+                self.message_size.cut(model.bytes_received + control.bytes_received)
                 received[0] += model.bytes_received + control.bytes_received
                 for assembler, store_in, i in ((model, kept, 0), (control, kept_control, 1)):
                     versions = assembler.versions()
@@ -521,6 +535,8 @@ class AggregatorClient:
             arrays = {n: a for n, (a, _) in kept.items()} | model.finish(expected)
             versions = {n: v for n, (_, v) in kept.items()} | versions
             controls = {n: a for n, (a, _) in kept_control.items()} | control.finish()
+            if not cuts[0]:
+                self.message_size.completed()
             return Fetched(
                 {n: (torch.from_numpy(a), versions[n]) for n, a in arrays.items()},
                 {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in controls.items()},
@@ -557,9 +573,15 @@ class AggregatorClient:
         tensors_ = [(name, tensors[name], 0, pb.TENSOR_KIND_MODEL) for name in sorted(tensors)]
         deltas = control_delta or {}
         tensors_ += [(name, deltas[name], round_, pb.TENSOR_KIND_CONTROL_DELTA) for name in sorted(deltas)]
-        nbytes = sum(t.numel() * (2 if fp16 and t.is_floating_point() else t.element_size()) for _, t, _, _ in tensors_)
+        sizes = [t.numel() * (2 if fp16 and t.is_floating_point() else t.element_size()) for _, t, _, _ in tensors_]
+        nbytes = sum(sizes)
+
+        def position(start: tuple[int, int]) -> int:
+            """Payload bytes before ``start`` (tensors the server holds whole, bytes of the next)."""
+            return sum(sizes[: start[0]]) + start[1]
 
         attempts = [1 if resume else 0]
+        previous: list[tuple[int, int] | None] = [None]  # where this call's last attempt started
         sent = [0]  # bytes handed to gRPC over every attempt
 
         def counted(messages: Iterator[bytes]) -> Iterator[bytes]:
@@ -569,9 +591,13 @@ class AggregatorClient:
 
         def once() -> pb.PushReply:
             start = self._upload_progress(update_id, round_) if attempts[0] else (0, 0)
+            if previous[0] is not None:  # the last attempt broke: what the server kept of it is its progress
+                self.message_size.cut(position(start) - position(previous[0]))
+            previous[0] = start
             attempts[0] += 1
             header.resume = start != (0, 0)
-            messages = counted(framing.push_messages(header, tensors_, fp16=fp16, start=start))
+            chunk_bytes = self.message_size.bytes
+            messages = counted(framing.push_messages(header, tensors_, fp16=fp16, start=start, chunk_bytes=chunk_bytes))
             timeout = self._transfer_timeout(nbytes)
             if self.stop is None:
                 return self._push_update(messages, metadata=self._auth, timeout=timeout)
@@ -581,7 +607,10 @@ class AggregatorClient:
             finally:
                 self._untrack(future)
 
-        return self._call("PushUpdate", once, moved=lambda: sent[0])
+        reply = self._call("PushUpdate", once, moved=lambda: sent[0])
+        if attempts[0] == 1 and not resume:
+            self.message_size.completed()
+        return reply
 
     def _upload_progress(self, update_id: str, round_: int) -> tuple[int, int]:
         """Where a retried push starts: (tensors the server holds whole, bytes of the next); (0, 0) for all."""

@@ -8,14 +8,25 @@ attempt keeps only whole chunks, a link slower than ``window / timeout`` would n
 So both sides fix their receive window (BDP probes would grow it with the bandwidth they measure,
 leaving the wait no bound to count on), and a client derives its keepalive timeout from that window and
 the slowest link it allows for (:func:`keepalive_timeout`).
+
+A message arrives whole or not at all, so a link that breaks every connection before a message's end makes
+no progress however often it retries. A client sizes its chunks and messages to its link
+(:class:`MessageSize`): halved after a cut attempt that carried fewer than :data:`CHUNKS_PER_CONNECTION` of
+them, as TCP halves its window on a loss, and doubled back after a transfer that was not cut.
 """
 
 from __future__ import annotations
 
+from fedcore.codec import CHUNK_BYTES
+
 __all__ = [
+    "CHUNKS_PER_CONNECTION",
     "KEEPALIVE_SECONDS",
     "MAX_MESSAGE_BYTES",
+    "MIN_CHUNK_BYTES",
     "RECEIVE_WINDOW_BYTES",
+    "MessageSize",
+    "check_chunk_bytes",
     "keepalive_timeout",
 ]
 
@@ -36,3 +47,37 @@ def keepalive_timeout(min_link_bytes_per_second: float, keepalive_seconds: float
     if min_link_bytes_per_second <= 0:
         raise ValueError(f"min_link_bytes_per_second must be > 0, got {min_link_bytes_per_second}")
     return max(2 * keepalive_seconds, 1.25 * RECEIVE_WINDOW_BYTES / min_link_bytes_per_second)
+
+
+#: The smallest chunk (and message) a transfer uses: its headers (≈ 60 bytes) stay under 0.5 % of it.
+MIN_CHUNK_BYTES = 16 << 10
+#: A cut attempt that carried fewer whole chunks than this halves the next attempt's chunk size: the message
+#: a cut breaks is lost, and at this count it can be a fifth of what the attempt moved.
+CHUNKS_PER_CONNECTION = 4
+
+
+def check_chunk_bytes(n: int) -> int:
+    """``n`` when it is a chunk size a transfer may use (a power of two from 16 KiB to 1 MiB), else ValueError."""
+    if not MIN_CHUNK_BYTES <= n <= CHUNK_BYTES or n & (n - 1):
+        raise ValueError(f"chunk_bytes must be a power of two from {MIN_CHUNK_BYTES} to {CHUNK_BYTES}, got {n}")
+    return n
+
+
+class MessageSize:
+    """The chunk and message size of a client's transfers, sized to its link (see the module's docstring).
+
+    Every size is a power of two dividing 1 MiB, so a resume offset on an earlier attempt's grid is on every
+    later, smaller one's.
+    """
+
+    def __init__(self) -> None:
+        self.bytes = CHUNK_BYTES
+
+    def cut(self, progress: int) -> None:
+        """An attempt broke after ``progress`` payload bytes arrived whole."""
+        if progress < CHUNKS_PER_CONNECTION * self.bytes:
+            self.bytes = max(MIN_CHUNK_BYTES, self.bytes // 2)
+
+    def completed(self) -> None:
+        """A transfer finished without a cut."""
+        self.bytes = min(CHUNK_BYTES, self.bytes * 2)

@@ -252,8 +252,10 @@ def push_messages(
     *,
     fp16: bool = False,
     start: tuple[int, int] = (0, 0),
+    chunk_bytes: int = codec.CHUNK_BYTES,
 ) -> Iterator[bytes]:
-    """A PushUpdate stream, serialized: the header, then ``(name, tensor, version, kind)`` packed in batches.
+    """A PushUpdate stream, serialized: the header, then ``(name, tensor, version, kind)`` in chunks of at most
+    ``chunk_bytes``, packed in batches of at most that much data.
 
     ``start``: a resumed push's (tensors the server holds whole, bytes it holds of the next), as
     ``UploadProgress`` gives them: the stream begins there.
@@ -266,11 +268,12 @@ def push_messages(
             if i < skip:
                 continue
             encoded = codec.encode(tensor, fp16=fp16, name=name)
-            for chunk in codec.iter_chunks(name, encoded, version=version, start=offset if i == skip else 0):
+            first = offset if i == skip else 0
+            for chunk in codec.iter_chunks(name, encoded, version=version, chunk_bytes=chunk_bytes, start=first):
                 yield batch_entry(chunk, kind), len(chunk.data), name
 
     key = _key(_PUSH_CHUNKS)
-    for group in packed(entries()):
+    for group in packed(entries(), chunk_bytes):
         entries_ = [entry for entry, _, _ in group]
         yield b"".join((key, _varint(sum(map(len, entries_))), *entries_))
 

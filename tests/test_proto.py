@@ -137,6 +137,7 @@ def representative_messages() -> list[Message]:
         pb.FetchRequest(held=[pb.TensorVersion(name="features.0.atoms", version=4)], include_server_control=True),
         pb.TensorResume(name="fc1.weight", version=4, offset=3 * 2**20),
         pb.FetchRequest(resume=pb.TensorResume(name="fc1.weight", version=4, offset=2**20)),
+        pb.FetchRequest(chunk_bytes=2**16, resume=pb.TensorResume(name="fc1.weight", version=4, offset=3 * 2**16)),
         pb.FetchRequest(
             include_server_control=True,
             held_control=[pb.TensorVersion(name="conv1.weight", version=3)],

@@ -192,20 +192,22 @@ class TensorVersion(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("held", "include_server_control", "round", "purpose", "resume", "held_control")
+    __slots__ = ("held", "include_server_control", "round", "purpose", "resume", "held_control", "chunk_bytes")
     HELD_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_SERVER_CONTROL_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     PURPOSE_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     HELD_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     held: _containers.RepeatedCompositeFieldContainer[TensorVersion]
     include_server_control: bool
     round: int
     purpose: FetchPurpose
     resume: TensorResume
     held_control: _containers.RepeatedCompositeFieldContainer[TensorVersion]
-    def __init__(self, held: _Optional[_Iterable[_Union[TensorVersion, _Mapping]]] = ..., include_server_control: _Optional[bool] = ..., round: _Optional[int] = ..., purpose: _Optional[_Union[FetchPurpose, str]] = ..., resume: _Optional[_Union[TensorResume, _Mapping]] = ..., held_control: _Optional[_Iterable[_Union[TensorVersion, _Mapping]]] = ...) -> None: ...
+    chunk_bytes: int
+    def __init__(self, held: _Optional[_Iterable[_Union[TensorVersion, _Mapping]]] = ..., include_server_control: _Optional[bool] = ..., round: _Optional[int] = ..., purpose: _Optional[_Union[FetchPurpose, str]] = ..., resume: _Optional[_Union[TensorResume, _Mapping]] = ..., held_control: _Optional[_Iterable[_Union[TensorVersion, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class TensorResume(_message.Message):
     __slots__ = ("name", "version", "offset", "kind")

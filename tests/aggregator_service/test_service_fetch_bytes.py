@@ -224,3 +224,43 @@ def test_a_resume_no_cut_fetch_could_leave_is_refused_and_a_stale_one_gets_the_t
     stale = pb.TensorResume(name="fc1.weight", version=fc1.version + 1, offset=2**20)
     again = [c for c in _stream(client, pb.FetchRequest(resume=stale)) if c.name == "fc1.weight"]
     assert again[0].offset == 0 and sum(len(c.data) for c in again) == fc1.total_bytes
+
+
+@pytest.mark.parametrize("backend", ["sqlite_url", "postgres_url"])
+def test_a_fetch_asking_for_small_chunks_gets_them_and_resumes_on_their_grid(backend, request, start_service):
+    """A client whose link breaks before 1 MiB arrives asks for 16 KiB chunks: every message then carries at most
+    16 KiB of data, the tensors are a default fetch's bit for bit, and a cut fetch resumes at a multiple of 16 KiB.
+    Sizes that are no power of two from 16 KiB to 1 MiB are refused, as are resumes off the fetch's grid."""
+    url = request.getfixturevalue(backend)
+    federation = small_federation(model="mnist-cnn", factorization="none", tiers=[1.0])
+    service = start_service(url, federation, poll_interval_seconds=0.05)
+    client, _ = (register(service.stub, 1.0, d) for d in shards(2))
+    assert client.task().WhichOneof("kind") == "train"
+
+    def payloads(chunks: list[pb.TensorChunk]) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        for c in chunks:
+            assert c.offset == len(out.get(c.name, b"")), c.name  # contiguous, in order
+            out[c.name] = out.get(c.name, b"") + c.data
+        return out
+
+    whole = payloads(_stream(client, pb.FetchRequest()))
+    messages = list(client.stub.FetchModel(pb.FetchRequest(chunk_bytes=2**14), metadata=client.auth))
+    assert max(sum(len(c.data) for c in m.chunks) for m in messages) <= 2**14
+    assert len(messages) >= sum(len(p) for p in whole.values()) // 2**14  # 6.6 MB: hundreds of messages
+    assert payloads([c for m in messages for c in m.chunks]) == whole
+
+    fc1 = next(c for m in messages for c in m.chunks if c.name == "fc1.weight")
+    resume = pb.TensorResume(name="fc1.weight", version=fc1.version, offset=3 * 2**14)
+    rest = [c for c in _stream(client, pb.FetchRequest(chunk_bytes=2**14, resume=resume)) if c.name == "fc1.weight"]
+    assert rest[0].offset == 3 * 2**14 and b"".join(c.data for c in rest) == whole["fc1.weight"][3 * 2**14 :]
+
+    for size in (0, 1000, 2**13, 3 * 2**14, 2**21, -(2**14)):
+        with pytest.raises(grpc.RpcError) as caught:
+            _stream(client, pb.FetchRequest(chunk_bytes=size))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, size
+        assert "chunk_bytes must be a power of two from 16384 to 1048576" in caught.value.details(), size
+    with pytest.raises(grpc.RpcError) as caught:  # 16 KiB in: on the small grid, not on the default's
+        _stream(client, pb.FetchRequest(resume=resume))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "this fetch cuts tensors in chunks of 1048576 bytes" in caught.value.details()
