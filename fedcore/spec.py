@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fedcore.activations import saved_bytes_per_sample
 from fedcore.convert import FACTORIZATIONS, Factorization, check_full_rank_share, factorize, head_name
 from fedcore.factorize import load_from_plain
 from fedcore.layers import (
@@ -204,6 +205,15 @@ def _forward_facts(spec: ModelSpec) -> int:
     return count_macs(net, spec.input_shape)  # type: ignore[arg-type]  # __post_init__ set input_shape
 
 
+@cache
+def _activation_facts(spec: ModelSpec) -> tuple[int, int]:
+    """``(bytes per sample, bytes per batch)`` a training step of the tier's model saves for backward
+    (:func:`fedcore.activations.saved_bytes_per_sample`), on the meta device like the MACs."""
+    net = _meta_module(spec)
+    _check_outputs(spec, net)  # a model that cannot take its input fails here with the shape tried
+    return saved_bytes_per_sample(net, spec.input_shape)  # type: ignore[arg-type]  # __post_init__ set input_shape
+
+
 def _check_outputs(spec: ModelSpec, net: nn.Module) -> None:
     """A forward pass of ``input_shape`` must give ``num_classes`` logits, in training mode as in evaluation
     mode (some models return auxiliary outputs only while training), or training would fail mid-round."""
@@ -296,6 +306,12 @@ class ModelSpec:
     def macs(self) -> int:
         """Forward multiply-accumulates per sample (:func:`fedcore.macs.count_macs` of the tier's module)."""
         return _forward_facts(self)
+
+    @property
+    def activation_bytes(self) -> tuple[int, int]:
+        """``(bytes per sample, bytes per batch)`` of the tensors a training step saves for backward, the
+        parameters left out (:mod:`fedcore.activations`); a batch of ``b`` keeps ``b × per sample + per batch``."""
+        return _activation_facts(self)
 
     def check_forward(self) -> None:
         """Raise ``ValueError`` unless the model takes ``input_shape`` and gives ``num_classes`` logits: where a

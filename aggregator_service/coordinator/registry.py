@@ -72,7 +72,13 @@ class Registry:
                 f"(max_client_samples = {cap})"
             )
         try:
-            tier = assign_tier(profile, config.spec, tuple(config.tiers))
+            tier = assign_tier(
+                profile,
+                config.spec,
+                tuple(config.tiers),
+                batch_size=config.batch_size,
+                nested_rank_ratio=config.nested_rank_ratio,
+            )
         except NoTierFitsError as exc:
             raise FailedPrecondition(f"no tier of this federation fits the device: {exc}") from exc
         except ValueError as exc:

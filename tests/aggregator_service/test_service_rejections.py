@@ -14,6 +14,7 @@ from grpc_helpers import SECRET, Client, register, shards, snapshot
 
 from aggregator_service import store
 from fedcore import codec
+from fedcore.tiers import training_memory
 from fedwire import framing
 from fedwire.v1 import aggregator_pb2 as pb
 
@@ -250,6 +251,30 @@ def test_registration_caps_the_declared_sample_count(start_service, request, bac
         profile=pb.CapabilityProfile(device_name="edge", num_samples=1000), enrollment_secret=SECRET
     )
     assert svc.stub.Register(ok).client_id
+
+
+def test_the_tier_fits_the_federations_batch(start_service, sqlite_url) -> None:
+    """Enrollment counts the tier's training memory in the federation's batches (here 32, and nested: tier 1
+    of tiers 1 and ¼ takes two passes a step): a device declaring that figure gets the tier, one byte
+    less the next, and below the smallest tier's it is refused with the batch named."""
+    svc = start_service(sqlite_url)
+    config = svc.coordinator.shared.config
+    assert config.batch_size == 32 and config.nested_rank_ratio == 0.25
+    need = {g: training_memory(config.spec.at_tier(g), 32, 0.25) for g in (1.0, 0.25)}
+    per_sample, _ = config.spec.at_tier(0.25).activation_bytes
+    assert need[0.25] > config.spec.at_tier(0.25).num_parameters * 16 + 31 * per_sample  # a batch's activations
+    for memory, tier in ((need[1.0], 1.0), (need[1.0] - 1, 0.25), (need[0.25], 0.25)):
+        message = pb.RegisterRequest(
+            profile=pb.CapabilityProfile(device_name="edge", num_samples=10, memory_bytes=memory),
+            enrollment_secret=SECRET,
+        )
+        assert svc.stub.Register(message).tier == tier
+    message = pb.RegisterRequest(
+        profile=pb.CapabilityProfile(device_name="edge", num_samples=10, memory_bytes=need[0.25] - 1),
+        enrollment_secret=SECRET,
+    )
+    details = _refused(svc.url, grpc.StatusCode.FAILED_PRECONDITION, "no tier", lambda: svc.stub.Register(message))
+    assert "in batches of 32" in details
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
