@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from fedcore.spec import ModelSpec, factored_matrix, pair_v, tensor_from_matrix
+from fedcore.spectral import thin_svd
 
 __all__ = ["TIER_INITS", "Spectra", "refactorize"]
 
@@ -55,7 +56,7 @@ class Spectra:
         hit = self._svds.get(name)
         if hit is not None and hit[0]() is full and hit[1] == full._version:
             return hit[2]
-        u, s, vh = torch.linalg.svd(factored_matrix(full).detach().to(torch.float64), full_matrices=False)
+        u, s, vh = thin_svd(factored_matrix(full))
         svd = (u, s, vh)  # returned as stored, not read back: a close's fork may store another tensor's meanwhile
         self._svds[name] = (weakref.ref(full), full._version, svd)
         return svd

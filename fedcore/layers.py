@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedcore.spectral import thin_svd
+
 __all__ = [
     "AtomConv2d",
     "LowRankConv2d",
@@ -89,7 +91,7 @@ def matrix_to_factors(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor]:
         raise ValueError(f"expected a matrix, got shape {tuple(matrix.shape)}")
     if not 1 <= rank <= min(matrix.shape):
         raise ValueError(f"rank {rank} outside [1, {min(matrix.shape)}] for shape {tuple(matrix.shape)}")
-    u_, s, vh = torch.linalg.svd(matrix.detach().to(torch.float64), full_matrices=False)
+    u_, s, vh = thin_svd(matrix)
     root = s[:rank].sqrt()
     u = u_[:, :rank] * root
     v = root[:, None] * vh[:rank]

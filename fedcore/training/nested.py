@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedcore.spec import ModelSpec, factored_matrix, pair_v, tensor_from_matrix
+from fedcore.spectral import thin_svd
 
 __all__ = ["TIER_TRAININGS", "NestedCut", "NestedPasses", "nested_cut"]
 
@@ -74,7 +75,7 @@ class NestedPasses:
             if name in params:
                 p = params[name]
                 matrix = factored_matrix(p.detach()).to("cpu", torch.float64)
-                left, _, right_t = torch.linalg.svd(matrix, full_matrices=False)
+                left, _, right_t = thin_svd(matrix)
                 self._bases[name] = (
                     left[:, :rank].to(p.device, p.dtype),
                     right_t[:rank].T.contiguous().to(p.device, p.dtype),
