@@ -87,8 +87,7 @@ def run_task(
             state.personal_model = {n: t.clone() for n, t in start.items()}
     else:
         state.personal_model = None
-    model = spec.build()
-    model.load_state_dict(start)
+    model = spec.build_loaded(start)  # the tier's model alone: no plain model built and initialized first
     if personal_atoms and state.personal_atoms is None:
         state.personal_atoms = {n: t.clone() for n, t in state.global_tensors.items() if spec.tensor(n).role == "atoms"}
     terms = LocalTerms.from_config(task.strategy)
@@ -168,8 +167,7 @@ def evaluate_client(
     """
     last = None if state.last_config is None else TrainConfig.from_dict(state.last_config)
     config = on_device(TrainConfig() if last is None else last, device)
-    model = spec.build()
-    model.load_state_dict({**state.global_tensors, **state.local})
+    model = spec.build_loaded({**state.global_tensors, **state.local})
     glob = evaluate(model, test_data, device=config.device)
     personal = None
     if state.personal_atoms is not None:

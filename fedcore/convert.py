@@ -22,9 +22,11 @@ that share of the factorizable weights do too; a model class may name its own la
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+import torch
 from torch import nn
 
 from fedcore.layers import AtomConv2d, LowRankConv2d, LowRankLinear, rank_for
@@ -225,9 +227,9 @@ def factorize(
 ) -> nn.Module:
     """Replace ``model``'s convs and body linears in place by ``factorization``'s layers; returns ``model``.
 
-    New layers are freshly initialized on the device the model's parameters are on (the
-    meta device included): values come later, from :func:`fedcore.factorize.load_from_plain`
-    or from the server's tensors.
+    New layers are freshly initialized on the device the model's parameters are on; on the meta
+    device they are made there and draw nothing. Values come later, from
+    :func:`fedcore.factorize.load_from_plain` or from the server's tensors.
     """
     if factorization.kind == "none":
         return model
@@ -278,6 +280,13 @@ def _refuse_untying(model: nn.Module, replaced: Sequence[str], factorization: Fa
 
 def _replacement(old: nn.Module, f: Factorization, keep_full_rank: bool) -> nn.Module | None:
     device = old.weight.device
+    # A meta layer's replacement is made on the meta device: its layers skip drawing values there (the
+    # factorized layers' reset_parameters), where one made on the CPU and moved would draw them for nothing.
+    with torch.device("meta") if device.type == "meta" else nullcontext():
+        return _new_layer(old, f, keep_full_rank, device)  # type: ignore[arg-type]  # a parameter's device
+
+
+def _new_layer(old: nn.Module, f: Factorization, keep_full_rank: bool, device: torch.device) -> nn.Module | None:
     if isinstance(old, nn.Linear):
         if keep_full_rank:
             return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import cache
@@ -48,6 +49,8 @@ __all__ = [
     "tensor_from_matrix",
     "tensor_roles",
 ]
+
+log = logging.getLogger(__name__)
 
 ROLES = (
     "atoms",
@@ -146,18 +149,25 @@ def _args_json(args: Mapping[str, Any]) -> str:
 def _meta_module(spec: ModelSpec) -> nn.Module:
     """The model with shapes only, built on the meta device: no memory, no initialization cost. A builder that
     computes with tensor values (torchvision's RegNets take ``.tolist()`` of a tensor) cannot run there; it
-    is built on the CPU instead and then moved, and what it raises there is the model's error."""
-    torch_state = torch.random.get_rng_state()
-    try:
+    is built on the CPU instead, moved, and factorized there, and what it raises there is the model's error."""
+    net = _meta_build(spec)
+    if net is not None:
+        return net
+    with torch.random.fork_rng(devices=[]):  # deriving a spec must not disturb anyone's seed
+        return spec._factorize(spec.build_plain().to("meta"))
+
+
+def _meta_build(spec: ModelSpec) -> nn.Module | None:
+    """``spec.build()`` on the meta device, or ``None`` where the builder reads values the meta device does
+    not hold (:func:`_meta_only`); the caller's random stream is left as it was."""
+    with torch.random.fork_rng(devices=[]):
         try:
             with torch.device("meta"):
                 return spec.build()
         except ValueError as exc:
             if not _meta_only(exc):
                 raise
-        return spec.build().to("meta")
-    finally:
-        torch.random.set_rng_state(torch_state)  # deriving a spec must not disturb anyone's seed
+    return None
 
 
 def _meta_only(exc: BaseException) -> bool:
@@ -168,6 +178,58 @@ def _meta_only(exc: BaseException) -> bool:
             return True
         cause = cause.__cause__
     return False
+
+
+def _values_outside_state(net: nn.Module) -> str | None:
+    """Why ``net`` (built on the meta device) holds values that its state dict does not carry, or ``None``."""
+    for module_name, module in net.named_modules():
+        where = module_name or type(net).__name__
+        skipped = sorted(module._non_persistent_buffers_set & {n for n, b in module._buffers.items() if b is not None})
+        if skipped:
+            return f"{where} has buffers {skipped} registered with persistent=False (computed where it is built)"
+        held = sorted(n for n, v in vars(module).items() if isinstance(v, Tensor))
+        if held:
+            return f"{where} holds tensors {held} in plain attributes (neither parameters nor buffers)"
+    return None
+
+
+_BUILT_WHOLE: set[ModelSpec] = set()
+
+
+def _log_built_whole(spec: ModelSpec, reason: str) -> None:
+    if spec not in _BUILT_WHOLE:
+        _BUILT_WHOLE.add(spec)
+        log.info(
+            "model %s is built whole on the CPU before its tensors are loaded, not on the meta device: %s",
+            spec.describe(),
+            reason,
+        )
+
+
+def _check_covers(spec: ModelSpec, state: Mapping[str, Tensor], net: nn.Module) -> None:
+    """Refuse a state lacking any of ``net``'s parameters or persistent buffers: they would keep no value."""
+    missing = [name for name in net.state_dict() if name not in state]
+    if missing:
+        raise ValueError(
+            f"the tensors to load into {spec.describe()} lack {len(missing)} of its parameters and buffers "
+            f"({', '.join(missing[:5])}{', …' if len(missing) > 5 else ''}): they would hold no value"
+        )
+
+
+def _allocate(net: nn.Module, device: torch.device) -> None:
+    """Give each meta parameter and buffer of ``net`` an empty tensor on ``device``; a tensor held at two places
+    (tied weights) gets one. ``Module.to_empty`` would untie them, and its first call on meta tensors imports
+    sympy (half a second and 30 MB, more than a small tier's model)."""
+    made: dict[int, tuple[Tensor, Tensor]] = {}  # id → (meta tensor, kept alive so no id is reused; its new one)
+    for module in net.modules():
+        for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(p) not in made:
+                made[id(p)] = (p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad))
+            setattr(module, name, made[id(p)][1])
+        for name, b in list(module.named_buffers(recurse=False, remove_duplicate=False)):
+            if id(b) not in made:
+                made[id(b)] = (b, torch.empty(b.shape, dtype=b.dtype, device=device))
+            setattr(module, name, made[id(b)][1])
 
 
 @cache
@@ -370,6 +432,32 @@ class ModelSpec:
 
     def build(self) -> nn.Module:
         return self._factorize(self.build_plain())
+
+    def build_loaded(self, state: Mapping[str, Tensor], device: str | torch.device = "cpu") -> nn.Module:
+        """The model holding ``state``, on ``device``: :meth:`build` then ``load_state_dict(state)``, computing the
+        same function, without that build's cost where the state overwrites everything it would draw.
+
+        The model is built on the meta device (shapes only: no plain model, no initialization, no factor
+        drawn), its empty tensors are then allocated on ``device`` and ``state`` copied in, so a device pays
+        for its tier's model alone. ``state`` must hold every parameter and persistent buffer (``ValueError``
+        otherwise, never a model computing with uninitialized memory). A model that holds values its state
+        does not carry keeps :meth:`build`'s way, on the CPU: a buffer registered with ``persistent=False`` (a
+        positional table or anchors computed in ``__init__``), a tensor held in a plain attribute, or a builder
+        that computes with tensor values and so cannot run on the meta device (:func:`_meta_module`). That
+        rule is logged, once per spec.
+        """
+        net = _meta_build(self)
+        reason = "its builder computes with tensor values" if net is None else _values_outside_state(net)
+        if net is not None and reason is None:
+            _check_covers(self, state, net)
+            _allocate(net, torch.device(device))
+            net.load_state_dict(state)
+            return net
+        _log_built_whole(self, str(reason))
+        model = self.build()
+        _check_covers(self, state, model)
+        model.load_state_dict(state)
+        return model.to(device)
 
     def initial_model(self, seed: int) -> nn.Module:
         """Round 0's model: the plain model drawn from ``seed``, then factorized to this spec.

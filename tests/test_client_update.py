@@ -215,3 +215,23 @@ def test_fedrep_trains_the_head_the_federation_names_not_the_last_linear():
         torch.testing.assert_close(state.personal_model[name], oracle[name].detach(), rtol=1e-5, atol=1e-6)
     for name in due:
         torch.testing.assert_close(push.tensors[name], oracle[name].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_round_and_an_evaluation_build_no_plain_model_off_the_meta_device(monkeypatch) -> None:
+    """The client's model is built on the meta device and only then allocated, its tensors loaded: the plain
+    model a whole build makes first (initialized, the size of the full-rank model whatever the tier) is never
+    made. Oracle: where every call of the builder puts its tensors."""
+    train, test = load_dataset("digits")
+    state = fresh_state()
+    made_on: list[str] = []
+    build_plain = ModelSpec.build_plain
+
+    def spying(self: ModelSpec) -> torch.nn.Module:
+        model = build_plain(self)
+        made_on.append(next(model.parameters()).device.type)
+        return model
+
+    monkeypatch.setattr(ModelSpec, "build_plain", spying)
+    run_task(state, SPEC, task(1, tuple(SPEC.names), False), train.subset(range(32)))
+    evaluate_client(state, SPEC, test.subset(range(20)))
+    assert made_on and set(made_on) == {"meta"}
