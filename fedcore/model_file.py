@@ -47,9 +47,7 @@ class ModelFile:
     def factorized_model(self) -> nn.Module:
         """The module as the file's spec builds it (atom layers as ``α`` and ``D``; a tier's file: the small
         module that tier's devices run), in eval mode."""
-        model = self.spec.build()
-        model.load_state_dict({n: self.tensors[n] for n in self.spec.names})
-        return model.eval()
+        return self.spec.build_loaded({n: self.tensors[n] for n in self.spec.names}).eval()
 
     def plain_model(self) -> nn.Module:
         """The module as its code defines it, every atom layer's filters ``W = α × D`` reconstructed."""
