@@ -349,21 +349,21 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             _handle(context, exc, "FetchModel")
         sent: dict[str, int] = {}
 
-        built: dict[tuple[int, str], tuple[tuple[bytes, int], ...]] = {}  # this fetch's, at its chunk size
-
         def tensor_entries(kind: int, name: str, tensor: Tensor, version: int) -> tuple[tuple[bytes, int], ...]:
-            all_of_it = built.get((kind, name))
-            if all_of_it is None:
-                all_of_it = built[kind, name] = self._entries(client.tier, kind, name, tensor, version, chunk_bytes)
+            """The tensor's entries from where this fetch starts it; at a chunk size the client asked for,
+            built when the stream reaches the tensor and dropped once sent (never a whole model per fetch)."""
+            all_of_it = self._entries(client.tier, kind, name, tensor, version, chunk_bytes)
             start = resumed.get((kind, name), 0)
             return all_of_it[start // chunk_bytes :] if start else all_of_it
 
+        def payload(name: str, tensor: Tensor, version: int) -> int:
+            """The model tensor's bytes from where this fetch starts it, counted on the shared entries."""
+            whole = self._entries(client.tier, pb.TENSOR_KIND_MODEL, name, tensor, version)
+            return sum(n for _, n in whole) - resumed.get((pb.TENSOR_KIND_MODEL, name), 0)
+
         # the model's bytes, offered and sent: a fetch cut midway counts that share of a FedAvg transfer (the
         # control alone, SCAFFOLD's, is none)
-        offered = {
-            name: (version, sum(n for _, n in tensor_entries(pb.TENSOR_KIND_MODEL, name, t, version)))
-            for name, t, version in model
-        }
+        offered = {name: (version, payload(name, t, version)) for name, t, version in model}
         model_sent: dict[str, int] = {}
 
         def entries() -> Iterator[tuple[bytes, int, tuple[str, bool]]]:

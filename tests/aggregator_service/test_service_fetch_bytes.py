@@ -252,8 +252,18 @@ def test_a_fetch_asking_for_small_chunks_gets_them_and_resumes_on_their_grid(bac
 
     fc1 = next(c for m in messages for c in m.chunks if c.name == "fc1.weight")
     resume = pb.TensorResume(name="fc1.weight", version=fc1.version, offset=3 * 2**14)
-    rest = [c for c in _stream(client, pb.FetchRequest(chunk_bytes=2**14, resume=resume)) if c.name == "fc1.weight"]
+    resumed = _stream(client, pb.FetchRequest(chunk_bytes=2**14, resume=resume))
+    rest = [c for c in resumed if c.name == "fc1.weight"]
     assert rest[0].offset == 3 * 2**14 and b"".join(c.data for c in rest) == whole["fc1.weight"][3 * 2**14 :]
+    # the ledger: every byte streamed, and at FedAvg's rate (the resumed offer is the rest of fc1, at any size)
+    streamed = 2 * sum(len(p) for p in whole.values()) + sum(len(c.data) for c in resumed)
+
+    def counted() -> bool:
+        service.coordinator.flush()
+        return _fetches(url).get(client.client_id, (0, 0))[0] >= streamed
+
+    assert wait_until(counted, 15)
+    assert _fetches(url)[client.client_id] == (streamed, streamed)
 
     for size in (0, 1000, 2**13, 3 * 2**14, 2**21, -(2**14)):
         with pytest.raises(grpc.RpcError) as caught:
