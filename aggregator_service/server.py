@@ -53,7 +53,7 @@ from fedcore import codec
 from fedcore.tiers import CapabilityProfile
 from fedwire import framing
 from fedwire.allocator import release_free_memory, reuse_message_buffers
-from fedwire.flow_control import MAX_MESSAGE_BYTES, RECEIVE_WINDOW_BYTES, check_chunk_bytes
+from fedwire.flow_control import MAX_MESSAGE_BYTES, RECEIVE_WINDOW_BYTES, STREAM_STARTED, check_chunk_bytes
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
@@ -347,6 +347,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             if isinstance(exc, Unauthenticated):
                 self.tarpit.refused(context.peer())
             _handle(context, exc, "FetchModel")
+        context.send_initial_metadata((STREAM_STARTED,))  # the transfer is under way (fedwire.flow_control)
         sent: dict[str, int] = {}
 
         def tensor_entries(kind: int, name: str, tensor: Tensor, version: int) -> tuple[tuple[bytes, int], ...]:
@@ -482,6 +483,7 @@ class AggregatorServicer(pb_grpc.AggregatorServicer):
             try:
                 # taken only once inside the gate: a resume waiting in line leaves it for GetUploadProgress
                 kept = self._resumed(client, header)
+                context.send_initial_metadata((STREAM_STARTED,))  # the transfer is under way (fedwire.flow_control)
                 result, complete = self._receive(header, client, request_iterator, kept, context)
             finally:
                 self._pushes.leave()

@@ -49,6 +49,7 @@ from fedwire.flow_control import (
     RECEIVE_WINDOW_BYTES,
     MessageSize,
     keepalive_timeout,
+    stream_started,
 )
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
@@ -170,7 +171,7 @@ class Backoff:
 
     def delay(self, attempt: int) -> float:
         rng = self.rng or random
-        return rng.uniform(0.0, min(self.cap, self.base * 2**attempt))
+        return rng.uniform(0.0, min(self.cap, self.base * 2 ** min(attempt, 64)))  # 2**1024 is no float
 
 
 @dataclass
@@ -488,6 +489,7 @@ class AggregatorClient:
         received = [0]
         nbytes = sum(int(np.prod(shape)) * 4 for shape, _ in expected.values()) * (2 if include_server_control else 1)
         cuts = [0]
+        size: list[int | None] = [None]  # this fetch's chunk size: the link's, never growing within the fetch
 
         def once() -> Fetched:
             model, control = following[0] or codec.Reassembler(), following[1] or codec.Reassembler()
@@ -496,8 +498,9 @@ class AggregatorClient:
             request.ClearField("held_control")
             request.ClearField("resume")
             request.ClearField("chunk_bytes")
-            if self.message_size.bytes != codec.CHUNK_BYTES:  # unset at the default: any server takes it
-                request.chunk_bytes = self.message_size.bytes
+            size[0] = chunk_size = self.message_size.next(size[0])
+            if chunk_size != codec.CHUNK_BYTES:  # unset at the default: any server takes it
+                request.chunk_bytes = chunk_size
             if part is not None:
                 request.resume.CopyFrom(pb.TensorResume(name=part[0], version=part[1], offset=part[2]))
                 control_part = None  # one resume a request: the control's part goes whole again
@@ -519,9 +522,10 @@ class AggregatorClient:
                 for batch in stream:
                     for kind, chunk in batch:
                         (control if kind == pb.TENSOR_KIND_SERVER_CONTROL else model).add(chunk)
-            except grpc.RpcError:
+            except grpc.RpcError as exc:
                 cuts[0] += 1
-                self.message_size.cut(model.bytes_received + control.bytes_received)
+                if stream_started(exc):  # broke under way, not a server that was down
+                    size[0] = self.message_size.cut(model.bytes_received + control.bytes_received, chunk_size)
                 received[0] += model.bytes_received + control.bytes_received
                 for assembler, store_in, i in ((model, kept, 0), (control, kept_control, 1)):
                     versions = assembler.versions()
@@ -581,7 +585,10 @@ class AggregatorClient:
             return sum(sizes[: start[0]]) + start[1]
 
         attempts = [1 if resume else 0]
-        previous: list[tuple[int, int] | None] = [None]  # where this call's last attempt started
+        # this call's last attempt: where it started, its chunk size, and whether it broke under way
+        previous: list[tuple[int, int] | None] = [None]
+        size: list[int | None] = [None]
+        broke_under_way = [False]
         sent = [0]  # bytes handed to gRPC over every attempt
 
         def counted(messages: Iterator[bytes]) -> Iterator[bytes]:
@@ -591,21 +598,26 @@ class AggregatorClient:
 
         def once() -> pb.PushReply:
             start = self._upload_progress(update_id, round_) if attempts[0] else (0, 0)
-            if previous[0] is not None:  # the last attempt broke: what the server kept of it is its progress
-                self.message_size.cut(position(start) - position(previous[0]))
-            previous[0] = start
+            if previous[0] is not None and broke_under_way[0] and size[0] is not None:
+                # what the server kept of the attempt that broke is its progress
+                size[0] = self.message_size.cut(position(start) - position(previous[0]), size[0])
+            previous[0], broke_under_way[0] = start, False
             attempts[0] += 1
             header.resume = start != (0, 0)
-            chunk_bytes = self.message_size.bytes
-            messages = counted(framing.push_messages(header, tensors_, fp16=fp16, start=start, chunk_bytes=chunk_bytes))
+            size[0] = chunk_size = self.message_size.next(size[0])
+            messages = counted(framing.push_messages(header, tensors_, fp16=fp16, start=start, chunk_bytes=chunk_size))
             timeout = self._transfer_timeout(nbytes)
-            if self.stop is None:
-                return self._push_update(messages, metadata=self._auth, timeout=timeout)
-            future = self._future(self._push_update, messages, metadata=self._auth, timeout=timeout)
             try:
-                return future.result()
-            finally:
-                self._untrack(future)
+                if self.stop is None:
+                    return self._push_update(messages, metadata=self._auth, timeout=timeout)
+                future = self._future(self._push_update, messages, metadata=self._auth, timeout=timeout)
+                try:
+                    return future.result()
+                finally:
+                    self._untrack(future)
+            except grpc.RpcError as exc:
+                broke_under_way[0] = stream_started(exc)
+                raise
 
         reply = self._call("PushUpdate", once, moved=lambda: sent[0])
         if attempts[0] == 1 and not resume:

@@ -12,10 +12,15 @@ the slowest link it allows for (:func:`keepalive_timeout`).
 A message arrives whole or not at all, so a link that breaks every connection before a message's end makes
 no progress however often it retries. A client sizes its chunks and messages to its link
 (:class:`MessageSize`): halved after a cut attempt that carried fewer than :data:`CHUNKS_PER_CONNECTION` of
-them, as TCP halves its window on a loss, and doubled back after a transfer that was not cut.
+them, as TCP halves its window on a loss, and doubled back after a transfer that was not cut. Only a transfer
+that was under way counts as cut: the server opens each transfer's stream with :data:`STREAM_STARTED`
+(initial metadata, before any tensor), so a server that was down or restarting (no stream at all) leaves
+the size as it was.
 """
 
 from __future__ import annotations
+
+import threading
 
 from fedcore.codec import CHUNK_BYTES
 
@@ -25,9 +30,11 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "MIN_CHUNK_BYTES",
     "RECEIVE_WINDOW_BYTES",
+    "STREAM_STARTED",
     "MessageSize",
     "check_chunk_bytes",
     "keepalive_timeout",
+    "stream_started",
 ]
 
 #: Chunks carry ≤ 1 MiB of data; 4 MiB + headroom is gRPC's default and leaves room for headers.
@@ -63,21 +70,48 @@ def check_chunk_bytes(n: int) -> int:
     return n
 
 
-class MessageSize:
-    """The chunk and message size of a client's transfers, sized to its link (see the module's docstring).
+#: The initial metadata a server sends as a transfer's stream opens (FetchModel, and PushUpdate once its header
+#: is read): a call that fails holding it broke under way; one without it never reached the transfer.
+STREAM_STARTED = ("fedatoms-stream", "started")
 
-    Every size is a power of two dividing 1 MiB, so a resume offset on an earlier attempt's grid is on every
-    later, smaller one's.
+
+def stream_started(call: object) -> bool:
+    """Whether the failed gRPC ``call`` (its RpcError) had received :data:`STREAM_STARTED`."""
+    initial = getattr(call, "initial_metadata", None)
+    try:
+        metadata = initial() if callable(initial) else None
+    except Exception:  # a call that never started has nothing to say
+        return False
+    return any((m.key, m.value) == STREAM_STARTED for m in metadata or ())
+
+
+class MessageSize:
+    """The chunk and message size of a link's transfers (see the module's docstring), shared by the clients
+    on one channel.
+
+    Every size is a power of two dividing 1 MiB, and a transfer's attempts never grow it (:meth:`next`), so a
+    resume offset on an earlier attempt's grid is on every later one's, whatever the other transfers do.
     """
 
     def __init__(self) -> None:
         self.bytes = CHUNK_BYTES
+        self._lock = threading.Lock()
 
-    def cut(self, progress: int) -> None:
-        """An attempt broke after ``progress`` payload bytes arrived whole."""
-        if progress < CHUNKS_PER_CONNECTION * self.bytes:
-            self.bytes = max(MIN_CHUNK_BYTES, self.bytes // 2)
+    def next(self, previous: int | None = None) -> int:
+        """The size of a transfer's next attempt: the link's, never above the transfer's ``previous`` one."""
+        return self.bytes if previous is None else min(previous, self.bytes)
+
+    def cut(self, progress: int, size: int) -> int:
+        """An attempt at ``size`` broke under way after ``progress`` payload bytes arrived whole; returns the size
+        its transfer goes on at (the link's, for the transfers to come, is at most that)."""
+        if progress >= CHUNKS_PER_CONNECTION * size:
+            return size
+        smaller = max(MIN_CHUNK_BYTES, size // 2)
+        with self._lock:
+            self.bytes = min(self.bytes, smaller)
+        return smaller
 
     def completed(self) -> None:
         """A transfer finished without a cut."""
-        self.bytes = min(CHUNK_BYTES, self.bytes * 2)
+        with self._lock:
+            self.bytes = min(CHUNK_BYTES, self.bytes * 2)

@@ -286,6 +286,49 @@ def test_a_link_that_breaks_before_a_whole_message_arrives_shrinks_its_messages_
         np.testing.assert_array_equal(stored[name], tensor.numpy(), err_msg=name)
 
 
+def test_a_server_that_is_down_leaves_the_chunk_size_as_it_was(tmp_path: Path) -> None:
+    """Refused connections are no broken link: fetches and pushes that never reached a transfer keep 1 MiB, so a
+    fleet retrying through an aggregator's restart comes back at full size."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = AggregatorClient(f"127.0.0.1:{port}", backoff=Backoff(base=0.01, max_elapsed=0.5), sleep=lambda _: None)
+    client.token = "t"
+    with aggregator(tmp_path, "digits-cnn") as live:
+        spec = AggregatorClient(f"127.0.0.1:{live}").register(CapabilityProfile(num_samples=100), SECRET)[1]
+    try:
+        with pytest.raises(grpc.RpcError):
+            client.fetch(spec, {})
+        with pytest.raises(grpc.RpcError):
+            client.push(1, "u-down", 10, {}, {"w": torch.zeros(4)})
+        assert client.message_size.bytes == 2**20
+    finally:
+        client.close()
+
+
+def test_a_fetch_resuming_on_a_small_grid_is_not_regrown_by_a_sibling_on_its_channel(tmp_path: Path) -> None:
+    """Virtual clients share a channel and its chunk size. One resumes a cut tensor at 16 KiB steps while another
+    finishes a clean transfer (the link's size doubles): the first goes on at its own size, on its own grid,
+    and ends with a clean link's model (asked at the larger size, the server refused its offset)."""
+    with aggregator(tmp_path, "mnist-cnn") as port, cut_link(port, cut_down_after=295_000) as link:
+        proxy, cut, direct, retries = link
+        spec, cut.token = two_members(direct)
+        sibling = AggregatorClient.sharing(cut)
+        assert sibling.message_size is cut.message_size
+
+        def sibling_completes(_: float) -> None:
+            retries.append(0.0)
+            if cut.message_size.bytes < 2**20:
+                sibling.message_size.completed()
+
+        cut._sleep = sibling_completes
+        got = cut.fetch(spec, {})
+        reference = direct.fetch(spec, {})
+    assert proxy.cuts >= 10
+    for name, (tensor, version) in reference.model.items():
+        assert torch.equal(got.model[name][0], tensor) and got.model[name][1] == version, name
+
+
 @pytest.mark.parametrize("link", ["refused", "silent"])
 def test_sigterm_while_the_agent_waits_on_a_dead_link_exits_130_at_once(tmp_path: Path, link: str) -> None:
     """``refused``: nothing listens, so Register is retried with backoff (up to 30 s between tries);
