@@ -187,10 +187,27 @@ def _values_outside_state(net: nn.Module) -> str | None:
         skipped = sorted(module._non_persistent_buffers_set & {n for n, b in module._buffers.items() if b is not None})
         if skipped:
             return f"{where} has buffers {skipped} registered with persistent=False (computed where it is built)"
-        held = sorted(n for n, v in vars(module).items() if isinstance(v, Tensor))
+        held = sorted(n for n, v in vars(module).items() if n not in _MODULE_REGISTRIES and _holds_tensor(v))
         if held:
-            return f"{where} holds tensors {held} in plain attributes (neither parameters nor buffers)"
+            return f"{where} holds tensors in plain attributes {held} (neither parameters nor buffers)"
     return None
+
+
+#: the registries nn.Module keeps its parameters, buffers and submodules in: the state dict covers them
+_MODULE_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+def _holds_tensor(value: Any, depth: int = 4) -> bool:
+    """Whether ``value`` is a tensor or holds one in a list, tuple, set or dict (``depth`` levels down)."""
+    if isinstance(value, Tensor):
+        return True
+    if depth == 0:
+        return False
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, list | tuple | set | frozenset):
+        return False
+    return any(_holds_tensor(v, depth - 1) for v in value)
 
 
 _BUILT_WHOLE: set[ModelSpec] = set()
@@ -442,9 +459,9 @@ class ModelSpec:
         for its tier's model alone. ``state`` must hold every parameter and persistent buffer (``ValueError``
         otherwise, never a model computing with uninitialized memory). A model that holds values its state
         does not carry keeps :meth:`build`'s way, on the CPU: a buffer registered with ``persistent=False`` (a
-        positional table or anchors computed in ``__init__``), a tensor held in a plain attribute, or a builder
-        that computes with tensor values and so cannot run on the meta device (:func:`_meta_module`). That
-        rule is logged, once per spec.
+        positional table or anchors computed in ``__init__``), a tensor held in a plain attribute (or a list or
+        dict of them), or a builder that computes with tensor values and so cannot run on the meta device
+        (:func:`_meta_module`). That rule is logged, once per spec.
         """
         net = _meta_build(self)
         reason = "its builder computes with tensor values" if net is None else _values_outside_state(net)

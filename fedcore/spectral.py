@@ -33,6 +33,8 @@ def thin_svd(matrix: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     if a.dim() != 2:
         raise ValueError(f"expected a matrix, got shape {tuple(a.shape)}")
     rows, cols = a.shape
+    if not bool(torch.isfinite(a).all()):  # LAPACK refuses them; the Gram route would return NaN bases
+        raise torch.linalg.LinAlgError(f"thin_svd: the {rows} × {cols} matrix holds non-finite values")
     if rows * cols < GRAM_MIN_ENTRIES or max(rows, cols) < GRAM_MIN_ASPECT * min(rows, cols):
         u, s, vh = torch.linalg.svd(a, full_matrices=False)
         return u, s, vh

@@ -55,6 +55,21 @@ USER_NETS = textwrap.dedent(
             return self.head(self.b(torch.relu(self.a(h))))
 
 
+    class ListedScales(nn.Module):
+        '''Scales kept in a list attribute, the head's weight again in a dict: neither is in the state dict.'''
+
+        def __init__(self, num_classes=10):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.head = nn.Linear(8, num_classes)
+            self.scales = [torch.full((1, 8, 1, 1), 2.0)]
+            self.refs = {"first": [self.head.weight]}
+
+        def forward(self, x):
+            h = torch.relu(self.conv(x) * self.refs["first"][0].mean()) * self.scales[0]
+            return self.head(h.mean(dim=(2, 3)))
+
+
     def sized_by_values(num_classes=10):
         '''Widths read off a tensor, as torchvision's RegNets do: the meta device cannot answer.'''
         width = int(torch.tensor([4.0, 8.0]).sum().item())
@@ -152,6 +167,20 @@ def test_a_non_persistent_buffer_keeps_its_init_value_on_the_whole_build(user_ne
     assert torch.equal(new.positions, expected)
     said = [r.getMessage() for r in caplog.records if "built whole" in r.getMessage()]
     assert len(said) == 1 and "positions" in said[0] and "persistent=False" in said[0]  # once per spec
+    assert_same_function(spec, old_build(spec, state), new)
+
+
+@pytest.mark.parametrize("factorization", ["none", "atoms"])
+def test_tensors_held_in_containers_keep_the_whole_build(user_nets, caplog, factorization: str) -> None:
+    """A list of scales and a dict holding a parameter: on the lean build they stayed on the meta device (the
+    first forward failed) or pointed at the meta parameters, so the model keeps the whole build."""
+    spec = ModelSpec("build_loaded_nets:ListedScales", 10, factorization, input_shape=(3, 8, 8))
+    state = fetched_state(spec, seed=5)
+    with caplog.at_level(logging.INFO, logger="fedcore.spec"):
+        new = spec.build_loaded(state)
+    said = [r.getMessage() for r in caplog.records if "built whole" in r.getMessage()]
+    assert len(said) == 1 and "['refs', 'scales']" in said[0]
+    assert torch.equal(new.scales[0], torch.full((1, 8, 1, 1), 2.0))
     assert_same_function(spec, old_build(spec, state), new)
 
 

@@ -72,6 +72,14 @@ def test_a_small_or_square_matrix_keeps_lapacks_svd_bit_for_bit(shape: tuple[int
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("shape", [(8, 8), (1024, 2048)])
+def test_non_finite_values_are_refused_on_either_route(shape: tuple[int, int]) -> None:
+    a = torch.zeros(shape)
+    a[3, 5] = float("nan")
+    with pytest.raises(torch.linalg.LinAlgError):
+        thin_svd(a)
+
+
 def test_not_a_matrix_is_refused() -> None:
     with pytest.raises(ValueError, match="expected a matrix"):
         thin_svd(torch.zeros(4, 4, 4))
