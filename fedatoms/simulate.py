@@ -143,6 +143,18 @@ class SimulationConfig(FederationConfig):
         )
 
 
+def check_device(config: SimulationConfig) -> None:
+    """``--device`` refused before anything starts: an unknown name always; a CUDA one without CUDA on this
+    machine unless a Ray cluster (``--ray-address``) runs the clients, whose actors resolve it on their nodes."""
+    if config.engine == "ray" and config.ray_address:
+        try:
+            torch.device(config.device if config.device != "auto" else "cpu")
+        except RuntimeError:
+            resolve_device(config.device)  # its one line for an unknown device
+        return
+    resolve_device(config.device)
+
+
 def build_federation(config: SimulationConfig) -> Federation:
     return config.build_federation(num_clients_total=config.clients)
 
@@ -175,6 +187,7 @@ def run_simulation(
     if config.threads < 1:
         raise ValueError(f"threads must be ≥ 1, got {config.threads}")
     _check_destinations(config, model_out)
+    check_device(config)  # before a Ray starts
     previous = torch.get_num_threads()
     torch.set_num_threads(config.threads)
     try:
@@ -221,8 +234,6 @@ def _run(
     if grpc_options:
         flags = sorted("--" + k.replace("_", "-") for k in grpc_options)
         raise ValueError(f"{', '.join(flags)} {'applies' if len(flags) == 1 else 'apply'} only to --transport grpc")
-    if config.engine == "local":  # Ray's actors resolve it where they run
-        resolve_device(config.device)
     started = time.perf_counter()
     train, test = open_data(config.data or config.dataset, config.data_dir, download=config.download)
     if test is None or len(test) == 0:
@@ -291,6 +302,7 @@ def _client_engine(config: SimulationConfig, train: Dataset, test: Dataset) -> A
     if config.engine == "ray":
         from fedatoms.engines.ray_engine import RayClients
 
+        config.population().clients(train, test)  # a split the data cannot make fails here, not on an actor
         return RayClients(config)
     population = config.population()
     clients = population.fitted(population.clients(train, test))

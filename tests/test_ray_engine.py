@@ -240,3 +240,34 @@ def test_bad_resources_are_refused_before_ray_starts(tmp_path):
     assert done.returncode == 2
     assert "no client has tier 0.125" in done.stderr
     assert "Ray" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "setting, says",
+    [
+        (dict(partition="shards"), "shards"),  # 4 clients × 2 classes cannot cover digits' 10
+        (dict(device="tpu"), "unknown device 'tpu'"),
+        (dict(device="tpu", transport="grpc"), "unknown device 'tpu'"),
+        pytest.param(
+            dict(device="cuda"),
+            "CUDA is not available",
+            marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA"),
+        ),
+    ],
+)
+def test_a_setup_mistake_is_refused_by_the_driver_before_the_first_round(setting, says):
+    """As with the local engine: one line, before a progress bar would start; not an actor's traceback."""
+    started: list[int] = []
+    config = SimulationConfig(engine="ray", **{**PLAIN, "rounds": 1, **setting})
+    with pytest.raises(ValueError, match=says) as refused:
+        run_simulation(config, on_start=lambda: started.append(1))
+    assert not started
+    assert not isinstance(refused.value, ray.exceptions.RayError)
+
+
+def test_a_users_mistake_raised_on_an_actor_prints_its_own_message():
+    from fedatoms.cli import user_message
+
+    wrapped = ray.exceptions.RayTaskError("train", "Traceback ...\nValueError: boom", ValueError("boom"))
+    assert user_message(wrapped.as_instanceof_cause()) == "boom"
+    assert user_message(ValueError("plain")) == "plain"

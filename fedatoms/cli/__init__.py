@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from fedatoms.cli import aggregator, analyze, client, db, demo, predict, simulate
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "user_message"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,5 +39,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as exc:
-        print(f"fedatoms: error: {exc}", file=sys.stderr)
+        print(f"fedatoms: error: {user_message(exc)}", file=sys.stderr)
         return 2
+
+
+def user_message(exc: BaseException) -> str:
+    """What a user's mistake says: its own message, also when a Ray worker raised it (Ray's ``RayTaskError``
+    is an instance of the worker's exception class, and its text is the worker's traceback; ``cause`` is the
+    exception itself)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and type(exc).__module__.startswith("ray."):
+        return user_message(cause)
+    return str(exc)

@@ -339,8 +339,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             config, progress=bar, model_out=args.save_model, on_start=bar.start, **_grpc_options(args)
         )
     except (TrainingDiverged, UpdateRefused) as exc:  # the run's setting, not a fault: one line, as in process
-        # raised in a Ray actor, it comes wrapped with the actor's traceback; ``cause`` is the agent's error
-        raise ValueError(str(getattr(exc, "cause", None) or exc)) from None
+        from fedatoms.cli import user_message
+
+        raise ValueError(user_message(exc)) from None  # raised in a Ray actor: its message, not its traceback
     finally:
         bar.close()
     if args.save_model is not None:
