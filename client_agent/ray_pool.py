@@ -40,11 +40,29 @@ from client_agent.pool import (
 )
 from client_agent.ray_placement import Slot, parse_resources, place
 from client_agent.update import ClientEvaluation, TrainTask
+from fedcore.keys import client_key
 from fedcore.spec import ModelSpec
 
-__all__ = ["ActorLost", "ClientHost", "ClientHosts", "as_tensors", "ray_session", "run_ray_grpc_pool"]
+__all__ = [
+    "MAX_REPLACEMENTS",
+    "ActorLost",
+    "ClientHost",
+    "ClientHosts",
+    "SlotFailed",
+    "as_tensors",
+    "ray_session",
+    "run_ray_grpc_pool",
+]
 
 log = logging.getLogger("fedatoms.ray")
+
+#: a slot whose actor died more often than it was replaced this many times fails the run: its clients kill it
+MAX_REPLACEMENTS = 3
+
+
+class SlotFailed(RuntimeError):
+    """A slot's actor died more than :data:`MAX_REPLACEMENTS` times: the run ends (a setting or a client that
+    kills its process every time would otherwise give a run of rounds without its clients)."""
 
 
 @contextmanager
@@ -176,18 +194,34 @@ class ActorLost:
     cause: str
 
 
+def death_reason(exc: BaseException) -> str:
+    """Why Ray says an actor died, in one line: its "The actor is dead because …" sentence, without the advice."""
+    text = str(exc)
+    for line in text.splitlines():
+        if "The actor is dead because" in line:
+            return line[line.index("The actor is dead because") :].split(" Some common causes")[0].strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
 class ClientHosts:
     """The actors of one run, one per :class:`Slot`; a dead actor is replaced (fresh state) when asked."""
 
-    def __init__(self, population: Population, resources: Mapping[str, Any] | None, torch_threads: int) -> None:
+    def __init__(
+        self,
+        population: Population,
+        resources: Mapping[str, Any] | None,
+        torch_threads: int,
+        max_replacements: int = MAX_REPLACEMENTS,
+    ) -> None:
         import ray
 
-        self.population, self.torch_threads = population, torch_threads
+        self.population, self.torch_threads, self.max_replacements = population, torch_threads, max_replacements
         tiers = parse_resources(resources, population.tiers)
         client_tiers = [population.tiers[i % len(population.tiers)] for i in range(population.num_clients)]
         self.slots: list[Slot] = place(client_tiers, tiers, ray.cluster_resources())
         self.slot_of: dict[int, int] = {i: s for s, slot in enumerate(self.slots) for i in slot.indices}
-        self.generation = [0] * len(self.slots)
+        self.generation = [0] * len(self.slots)  # also how often each slot's actor died
         self.run_id = uuid.uuid4().hex[:8]  # actors are named fedatoms-<run>-slot<s>-g<generation>
         self.actors = [self._start(s) for s in range(len(self.slots))]
 
@@ -222,15 +256,23 @@ class ClientHosts:
         try:
             return ray.get(ref)
         except RayActorError as exc:
-            self.replace(s, generation)
+            self.replace(s, generation, death_reason(exc))
             return ActorLost(s, generation, type(exc).__name__)
 
-    def replace(self, s: int, generation: int) -> bool:
-        """Start a new actor for slot ``s`` unless generation ``generation`` was replaced already."""
+    def replace(self, s: int, generation: int, reason: str) -> bool:
+        """Start a new actor for slot ``s`` unless generation ``generation`` was replaced already; the death that
+        would replace it more than ``max_replacements`` times raises :class:`SlotFailed` (``reason``: why it died)."""
         if self.generation[s] != generation:
             return False
         import ray
 
+        if generation >= self.max_replacements:
+            ids = [client_key(i) for i in self.slots[s].indices]
+            shown = ", ".join(ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
+            raise SlotFailed(
+                f"the Ray actor of slot {s} (clients {shown}) died {generation + 1} times, more than the "
+                f"{self.max_replacements} replacements a run allows: {reason}"
+            )
         ray.kill(self.actors[s], no_restart=True)  # it is dead, or must be: its clients move to the new one
         self.generation[s] += 1
         self.actors[s] = self._start(s)
@@ -259,7 +301,7 @@ def run_ray_grpc_pool(
     eval_poll_seconds: float = 0.02,
     torch_threads: int = 1,
     keep_state: bool = True,
-    max_replacements: int = 3,
+    max_replacements: int = MAX_REPLACEMENTS,
     allowed_models: Sequence[str] = DEFAULT_ALLOWED_MODELS,
     device: str | None = None,
 ) -> dict[str, int]:
@@ -271,14 +313,15 @@ def run_ray_grpc_pool(
     that dies is replaced and its agents start again from what their state directory holds (a
     restarted device: it asks for its task, fetches, trains and pushes the open round again);
     ``on_replaced`` hears the client indices. A slot replaced more than ``max_replacements`` times
-    fails the run. ``device``: the torch device every agent trains and evaluates on, resolved on its actor's node.
+    fails the run (:class:`SlotFailed`). ``device``: the torch device every agent trains and evaluates on,
+    resolved on its actor's node.
     """
     import ray
     from ray.exceptions import RayActorError
 
     from client_agent.agent import Credentials
 
-    hosts = ClientHosts(population, resources, torch_threads)
+    hosts = ClientHosts(population, resources, torch_threads, max_replacements)
     root = str(node_state_root or state_root)
 
     def submit(s: int) -> Any:
@@ -292,7 +335,6 @@ def run_ray_grpc_pool(
 
     running = {submit(s): (s, 0) for s in range(len(hosts.slots))}
     results: dict[str, int] = {}
-    replaced = [0] * len(hosts.slots)
     try:
         while running:
             done, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
@@ -300,11 +342,8 @@ def run_ray_grpc_pool(
                 s, generation = running.pop(ref)
                 try:
                     results.update(ray.get(ref))  # re-raises an agent's exception here
-                except RayActorError:
-                    replaced[s] += 1
-                    if replaced[s] > max_replacements:
-                        raise
-                    hosts.replace(s, generation)
+                except RayActorError as exc:
+                    hosts.replace(s, generation, death_reason(exc))  # SlotFailed past max_replacements
                     if on_replaced is not None:
                         on_replaced(hosts.slots[s].indices)
                     running[submit(s)] = (s, hosts.generation[s])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -271,3 +272,31 @@ def test_a_users_mistake_raised_on_an_actor_prints_its_own_message():
     wrapped = ray.exceptions.RayTaskError("train", "Traceback ...\nValueError: boom", ValueError("boom"))
     assert user_message(wrapped.as_instanceof_cause()) == "boom"
     assert user_message(ValueError("plain")) == "plain"
+
+
+# two clients on two actors (2 CPUs), each killing its actor whenever it trains
+DYING: dict[str, Any] = {**PLAIN, "clients": 2, "rounds": 1, "model": "tests.dying_model:build"}
+SLOT_FAILED = (
+    r"the Ray actor of slot \d \(clients client-\d+\) died 4 times, more than the 3 replacements a run allows: "
+    r"The actor is dead because .+"
+)
+
+
+def test_clients_that_kill_their_actor_every_time_fail_the_run_in_one_line(capsys):
+    """In process a lost call is retried once, then dropped: without a limit the run went on, every round without
+    these clients, and ended as a success with the untrained model's accuracy."""
+    from fedatoms.cli import main
+
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in DYING.items() if k != "fraction"]
+    assert main(["simulate", "--engine", "ray", "--quiet-json", *args]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "round:" not in line]
+    assert len(lines) == 1 and re.fullmatch("fedatoms: error: " + SLOT_FAILED, lines[0]), lines
+
+
+def test_clients_that_kill_their_actor_every_time_fail_a_grpc_run(tmp_path):
+    from client_agent.ray_pool import SlotFailed
+
+    with pytest.raises(SlotFailed, match=SLOT_FAILED):
+        run_simulation(
+            SimulationConfig(engine="ray", transport="grpc", **DYING), database_url=f"sqlite:///{tmp_path / 'a.db'}"
+        )

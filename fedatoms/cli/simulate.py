@@ -330,6 +330,7 @@ def _grpc_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from client_agent.agent import TrainingDiverged, UpdateRefused
+    from client_agent.ray_pool import SlotFailed
     from fedatoms.simulate import run_simulation, write_results
 
     config = _config_from_args(args)
@@ -338,7 +339,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         results = run_simulation(
             config, progress=bar, model_out=args.save_model, on_start=bar.start, **_grpc_options(args)
         )
-    except (TrainingDiverged, UpdateRefused) as exc:  # the run's setting, not a fault: one line, as in process
+    # the run's setting, not a fault: one line, as in process; SlotFailed: clients that kill their Ray actor
+    except (TrainingDiverged, UpdateRefused, SlotFailed) as exc:
         from fedatoms.cli import user_message
 
         raise ValueError(user_message(exc)) from None  # raised in a Ray actor: its message, not its traceback

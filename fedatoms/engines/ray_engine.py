@@ -9,7 +9,8 @@ each client holds (tensor versions) so a fetch moves, and counts, what the local
 An actor that dies takes its clients' state with it. It is replaced at once; with
 ``actor_failure = "retry"`` its clients' calls of the open round run again on the new actor
 (which fetches the whole model, as a restarted device does), with ``"dropout"`` they are left
-out of the round. Either way the round's record lists them under ``faults``.
+out of the round. Either way the round's record lists them under ``faults``. A slot whose actor dies a
+fourth time fails the run (:class:`client_agent.ray_pool.SlotFailed`).
 """
 
 from __future__ import annotations
