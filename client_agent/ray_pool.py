@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -77,7 +78,11 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
         yield
         return
     if address:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        check_reachable(address)
+        try:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        except ConnectionError as exc:  # "auto" and no cluster on this machine; a cluster that went away
+            raise ValueError(f"--ray-address {address}: no Ray cluster to join ({one_line(exc)})") from None
     else:
         ray.init(
             num_cpus=num_cpus or os.cpu_count() or 1,
@@ -89,6 +94,35 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
         yield
     finally:
         ray.shutdown()
+
+
+#: how long :func:`check_reachable` waits for a Ray head's port to accept a connection
+REACH_SECONDS = 5.0
+
+
+def check_reachable(address: str, timeout: float = REACH_SECONDS) -> None:
+    """A ``HOST:PORT`` Ray address must accept a TCP connection: ``ray.init`` would retry its GCS for minutes.
+
+    ``auto`` and ``ray://`` addresses are left to Ray (it finds no cluster at once, or its client says why)."""
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--ray-address {address}: give HOST:PORT of the Ray head (e.g. HEAD:6379) or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        reason = "no answer" if isinstance(exc, TimeoutError) else exc.strerror or type(exc).__name__
+        raise ValueError(
+            f"--ray-address {address}: nothing accepts a connection there within {timeout:g} s ({reason}); "
+            "start the head with `ray start --head --port=6379`, or leave --ray-address out for a local Ray"
+        ) from None
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's first line of text (Ray's errors run to paragraphs), or its type's name."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 class ClientHost:

@@ -8,6 +8,7 @@ mistake draws the bar, so its absence means something.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -19,6 +20,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BAR = ("round:", "%|")
+NEEDS_RAY = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
 NEEDS_NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is here: --device cuda is no mistake")
 
 
@@ -70,6 +72,17 @@ def test_a_run_without_a_mistake_draws_the_bar() -> None:
         (("--clients", "4", "--transport", "grpc", "--database-url", "pg://u:hunter2@h/db"), "u:***@h/db: the store"),
         (("--clients", "4", "--transport", "grpc", "--state-dir", "/proc/fedatoms/state"), "cannot create it"),
         (("--clients", "4", "--transport", "grpc", "--dataset", "cifar10", "--data-dir", "{tmp}"), "not found in"),
+        # a Ray head nothing answers for: ray.init retried its GCS for minutes
+        pytest.param(
+            ("--clients", "4", "--engine", "ray", "--ray-address", "127.0.0.1:1"),
+            "--ray-address 127.0.0.1:1: nothing accepts a connection there within 5 s",
+            marks=NEEDS_RAY,
+        ),
+        pytest.param(
+            ("--clients", "4", "--engine", "ray", "--ray-address", "head"),
+            "--ray-address head: give HOST:PORT of the Ray head",
+            marks=NEEDS_RAY,
+        ),
     ],
 )
 def test_an_early_error_is_one_line_and_no_bar(args: tuple[str, ...], error: str, tmp_path: Path) -> None:
@@ -110,3 +123,19 @@ def test_an_aggregator_that_cannot_be_reached_ends_the_run_in_one_line(tmp_path:
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert re.fullmatch(r"fedatoms: error: cannot reach the aggregator at 127\.0\.0\.1:\d+ for 2 s: .*", errors[0])
     assert time.monotonic() - started < 60
+
+
+def test_ray_address_auto_without_a_cluster_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ray.init(address="auto")`` with no cluster on this machine raises ConnectionError (a 30-line traceback);
+    Ray itself is stood in for: a real ``auto`` would join any cluster another run on this machine started."""
+    ray = pytest.importorskip("ray")
+    from client_agent.ray_pool import ray_session
+
+    def no_cluster(**_: object) -> None:
+        raise ConnectionError("Could not find any running Ray instance.\nPlease specify the one to connect to.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", no_cluster)
+    with pytest.raises(ValueError) as refused, ray_session("auto"):
+        pass
+    assert str(refused.value) == "--ray-address auto: no Ray cluster to join (Could not find any running Ray instance.)"
