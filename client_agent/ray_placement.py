@@ -102,6 +102,8 @@ def parse_resources(table: Mapping[str, Any] | None, tiers: Sequence[float]) -> 
     Keys are tiers (``"1"``, ``"0.5"``, ``"1/8"``) or ``"default"`` (tiers not named; otherwise one
     CPU per client); values are tables with ``num_cpus``, ``num_gpus``, ``memory``.
     """
+    if table is not None and not isinstance(table, Mapping):
+        raise ValueError(f"[simulation.resources] must be a table of tiers, got {table!r}")
     table = dict(table or {})
     known = sorted({float(t) for t in tiers}, reverse=True)
     default = DEFAULT_RESOURCES

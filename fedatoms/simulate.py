@@ -98,6 +98,16 @@ class SimulationConfig(FederationConfig):
             self.record_benchmark_normalization(self.dataset)
         if self.clients < 1:
             raise ValueError("clients must be ≥ 1")
+        for key, kinds, wanted in (
+            ("engine", str, "a string"),
+            ("ray_address", (str, type(None)), "a string (HEAD:6379 or auto)"),
+            ("ray_num_cpus", (int, type(None)), "a whole number"),
+            ("resources", (Mapping, type(None)), "a table ([simulation.resources])"),
+            ("actor_failure", str, "a string"),
+        ):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, kinds):  # TOML's true is no number of CPUs
+                raise ValueError(f"{key} must be {wanted}, got {value!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; choose one of {', '.join(ENGINES)}")
         if self.engine != "ray" and (self.ray_address or self.ray_num_cpus or self.resources):

@@ -139,3 +139,25 @@ def test_ray_address_auto_without_a_cluster_is_one_line(monkeypatch: pytest.Monk
     with pytest.raises(ValueError) as refused, ray_session("auto"):
         pass
     assert str(refused.value) == "--ray-address auto: no Ray cluster to join (Could not find any running Ray instance.)"
+
+
+@pytest.mark.parametrize(
+    ("simulation", "error"),
+    [
+        ('ray_num_cpus = "2"', "ray_num_cpus must be a whole number, got '2'"),  # was a TypeError from a comparison
+        ("ray_num_cpus = true", "ray_num_cpus must be a whole number, got True"),  # was taken as 1 CPU
+        ("ray_num_cpus = 1.5", "ray_num_cpus must be a whole number, got 1.5"),
+        ("resources = 5", "resources must be a table ([simulation.resources]), got 5"),  # was a TypeError
+        ("ray_address = 6379", "ray_address must be a string (HEAD:6379 or auto), got 6379"),
+        ("actor_failure = true", "actor_failure must be a string, got True"),
+        ("engine = 1", "engine must be a string, got 1"),
+    ],
+)
+def test_a_simulation_key_of_the_wrong_type_is_one_line_naming_it(simulation: str, error: str, tmp_path: Path) -> None:
+    from fedatoms.simulate import SimulationConfig
+
+    config = tmp_path / "sim.toml"
+    engine = "" if simulation.startswith("engine") else 'engine = "ray"\n'
+    config.write_text(f'clients = 4\npartition = "iid"\n[simulation]\n{engine}{simulation}\n')
+    with pytest.raises(ValueError, match=re.escape(error)):
+        SimulationConfig.from_toml(config)

@@ -62,6 +62,7 @@ def test_never_more_actors_than_clients():
         ({"1": {"memory": "2 parsecs"}}, "not a size"),
         ({"1": {"memory": "2TiB"}}, "unknown unit"),
         ({"1": 4}, "give a table"),
+        (5, "must be a table of tiers, got 5"),  # `resources = 5` in [simulation]: was a TypeError from dict()
         ({"one": {"num_cpus": 1}}, "is not a tier"),
     ],
 )
