@@ -116,6 +116,11 @@ class SimulationConfig(FederationConfig):
             raise ValueError(f"actor_failure must be 'retry' or 'dropout', got {self.actor_failure!r}")
         if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
             raise ValueError(f"ray_num_cpus must be ≥ 1, got {self.ray_num_cpus}")
+        if self.ray_num_cpus is not None and self.ray_address:
+            raise ValueError(
+                f"ray_num_cpus sizes the local Ray, and ray_address {self.ray_address} joins a cluster whose nodes "
+                "give their own CPUs (Ray ignores num_cpus when joining): give one of them"
+            )
         if self.engine == "ray":
             from client_agent.ray_placement import parse_resources
 

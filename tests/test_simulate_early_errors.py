@@ -78,6 +78,11 @@ def test_a_run_without_a_mistake_draws_the_bar() -> None:
             "--ray-address 127.0.0.1:1: nothing accepts a connection there within 5 s",
             marks=NEEDS_RAY,
         ),
+        # Ray ignores num_cpus when it joins a cluster
+        (
+            ("--clients", "4", "--engine", "ray", "--ray-address", "auto", "--ray-num-cpus", "2"),
+            "ray_num_cpus sizes the local Ray, and ray_address auto joins a cluster",
+        ),
         pytest.param(
             ("--clients", "4", "--engine", "ray", "--ray-address", "head"),
             "--ray-address head: give HOST:PORT of the Ray head",

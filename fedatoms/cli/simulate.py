@@ -72,7 +72,7 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--engine", choices=["local", "ray"], help="where virtual clients run: this machine, or Ray actors")
     g.add_argument("--ray-address", help="with --engine ray: join this Ray cluster [start a local Ray, stop it after]")
-    g.add_argument("--ray-num-cpus", type=int, help="with --engine ray: CPUs of the local Ray [all]")
+    g.add_argument("--ray-num-cpus", type=int, help="with --engine ray, no --ray-address: the local Ray's CPUs [all]")
     g.add_argument(
         "--actor-failure",
         choices=["retry", "dropout"],
