@@ -142,6 +142,17 @@ class SimulationConfig(FederationConfig):
         data.update(overrides or {})
         return cls(**data)
 
+    def check_device(self) -> None:
+        """``--device`` refused before anything starts: an unknown name always; a CUDA one without CUDA on this
+        machine unless a Ray cluster (``--ray-address``) runs the clients, whose actors resolve it on their nodes."""
+        if self.engine == "ray" and self.ray_address:
+            try:
+                torch.device(self.device if self.device != "auto" else "cpu")
+            except RuntimeError:
+                resolve_device(self.device)  # its one line for an unknown device
+            return
+        resolve_device(self.device)
+
     def population(self) -> Population:
         """The virtual clients, as a recipe any process can rebuild (both transports build them from it)."""
         return Population(
@@ -156,18 +167,6 @@ class SimulationConfig(FederationConfig):
             input_shape=None if self.data is None else self.spec.input_shape,
             normalization=self.normalization,
         )
-
-
-def check_device(config: SimulationConfig) -> None:
-    """``--device`` refused before anything starts: an unknown name always; a CUDA one without CUDA on this
-    machine unless a Ray cluster (``--ray-address``) runs the clients, whose actors resolve it on their nodes."""
-    if config.engine == "ray" and config.ray_address:
-        try:
-            torch.device(config.device if config.device != "auto" else "cpu")
-        except RuntimeError:
-            resolve_device(config.device)  # its one line for an unknown device
-        return
-    resolve_device(config.device)
 
 
 def build_federation(config: SimulationConfig) -> Federation:
@@ -202,7 +201,7 @@ def run_simulation(
     if config.threads < 1:
         raise ValueError(f"threads must be ≥ 1, got {config.threads}")
     _check_destinations(config, model_out)
-    check_device(config)  # before a Ray starts
+    config.check_device()  # before a Ray starts
     previous = torch.get_num_threads()
     torch.set_num_threads(config.threads)
     try:

@@ -29,7 +29,6 @@ from aggregator_service.export import export_global_model
 from client_agent.allowed_models import DEFAULT_ALLOWED_MODELS
 from client_agent.pool import register_all, run_grpc_pool
 from fedatoms.records import CATEGORY_TOTALS, TOTALS, accumulate, mean_or_none, summarize
-from fedatoms.simulate import check_device
 from fedcore.reference import is_zoo
 
 __all__ = ["federation_config", "records_from_store", "run_grpc_simulation"]
@@ -76,7 +75,7 @@ def run_grpc_simulation(
         raise ValueError(f"{given} {verb} only with --server: the aggregator started here makes its own")
     if give_up_after is not None and not give_up_after > 0:
         raise ValueError(f"--give-up-after must be > 0, got {give_up_after}")
-    check_device(config)  # as in process, before anything starts
+    config.check_device()  # as in process, before anything starts
     if tls_ca is not None and not Path(tls_ca).is_file():  # before an aggregator starts, not at the first connection
         raise ValueError(f"--tls-ca {tls_ca}: no such file")
     if server is not None and database_url is None:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from fedatoms.cli import aggregator, analyze, client, db, demo, predict, simulate
+from fedatoms.cli.simulate import user_message
 
 __all__ = ["build_parser", "main", "user_message"]
 
@@ -41,13 +42,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"fedatoms: error: {user_message(exc)}", file=sys.stderr)
         return 2
-
-
-def user_message(exc: BaseException) -> str:
-    """What a user's mistake says: its own message, also when a Ray worker raised it (Ray's ``RayTaskError``
-    is an instance of the worker's exception class, and its text is the worker's traceback; ``cause`` is the
-    exception itself)."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException) and type(exc).__module__.startswith("ray."):
-        return user_message(cause)
-    return str(exc)

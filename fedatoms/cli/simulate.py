@@ -341,8 +341,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         )
     # the run's setting, not a fault: one line, as in process; SlotFailed: clients that kill their Ray actor
     except (TrainingDiverged, UpdateRefused, SlotFailed) as exc:
-        from fedatoms.cli import user_message
-
         raise ValueError(user_message(exc)) from None  # raised in a Ray actor: its message, not its traceback
     finally:
         bar.close()
@@ -400,3 +398,13 @@ def add_parser(sub: Any) -> None:
     plot.add_argument("results", nargs="+", help="results JSON files from `fedatoms simulate --output`")
     plot.add_argument("-o", "--output", default="fedatoms-runs.png", help="PNG to write")
     plot.set_defaults(func=cmd_plot)
+
+
+def user_message(exc: BaseException) -> str:
+    """What a user's mistake says: its own message, also when a Ray worker raised it (Ray's ``RayTaskError``
+    is an instance of the worker's exception class, and its text is the worker's traceback; ``cause`` is the
+    exception itself)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and type(exc).__module__.startswith("ray."):
+        return user_message(cause)
+    return str(exc)
