@@ -577,7 +577,7 @@ class AggregatorClient:
         tensors_ = [(name, tensors[name], 0, pb.TENSOR_KIND_MODEL) for name in sorted(tensors)]
         deltas = control_delta or {}
         tensors_ += [(name, deltas[name], round_, pb.TENSOR_KIND_CONTROL_DELTA) for name in sorted(deltas)]
-        sizes = [t.numel() * (2 if fp16 and t.is_floating_point() else t.element_size()) for _, t, _, _ in tensors_]
+        sizes = [codec.tensor_encoded_size(t, fp16, name) for name, t, _, _ in tensors_]
         nbytes = sum(sizes)
 
         def position(start: tuple[int, int]) -> int:

@@ -186,6 +186,16 @@ def encoded_size(shape: tuple[int, ...] | list[int], dtype: str, fp16: bool = Fa
     return math.prod(int(s) for s in shape) * DTYPES[dtype].itemsize
 
 
+def tensor_encoded_size(tensor: torch.Tensor, fp16: bool = False, name: str = "<unnamed>") -> int:
+    """:func:`encoded_size` of a torch tensor: refused as :func:`encode` refuses it where its dtype has no wire
+    name; ``name`` only labels that error."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype not in DTYPES:
+        supported = ", ".join(DTYPES)
+        raise CodecError(name, f"unsupported dtype {tensor.dtype} (supported: {supported})", "unsupported_dtype")
+    return encoded_size(tuple(tensor.shape), dtype, fp16)
+
+
 def _fmt_shape(shape: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 

@@ -210,17 +210,23 @@ def _holds_tensor(value: Any, depth: int = 4) -> bool:
     return any(_holds_tensor(v, depth - 1) for v in value)
 
 
-_BUILT_WHOLE: set[ModelSpec] = set()
+#: each spec's way to :meth:`ModelSpec.build_loaded`: ``None`` for the meta build, else why it is built whole
+_BUILD_RULE: dict[ModelSpec, str | None] = {}
 
 
-def _log_built_whole(spec: ModelSpec, reason: str) -> None:
-    if spec not in _BUILT_WHOLE:
-        _BUILT_WHOLE.add(spec)
-        log.info(
-            "model %s is built whole on the CPU before its tensors are loaded, not on the meta device: %s",
-            spec.describe(),
-            reason,
-        )
+def _whole_build_reason(spec: ModelSpec, net: nn.Module | None) -> str | None:
+    """Why ``spec`` must be built whole (``net`` is its meta build, ``None`` where that failed), decided once
+    per spec and logged when it is; ``None`` where the meta build serves."""
+    if spec not in _BUILD_RULE:
+        reason = "its builder computes with tensor values" if net is None else _values_outside_state(net)
+        _BUILD_RULE[spec] = reason
+        if reason is not None:
+            log.info(
+                "model %s is built whole on the CPU before its tensors are loaded, not on the meta device: %s",
+                spec.describe(),
+                reason,
+            )
+    return _BUILD_RULE[spec]
 
 
 def _check_covers(spec: ModelSpec, state: Mapping[str, Tensor], net: nn.Module) -> None:
@@ -461,16 +467,16 @@ class ModelSpec:
         does not carry keeps :meth:`build`'s way, on the CPU: a buffer registered with ``persistent=False`` (a
         positional table or anchors computed in ``__init__``), a tensor held in a plain attribute (or a list or
         dict of them), or a builder that computes with tensor values and so cannot run on the meta device
-        (:func:`_meta_module`). That rule is logged, once per spec.
+        (:func:`_meta_module`). That rule is decided and logged once per spec; only the meta module is built anew.
         """
-        net = _meta_build(self)
-        reason = "its builder computes with tensor values" if net is None else _values_outside_state(net)
-        if net is not None and reason is None:
+        decided_whole = _BUILD_RULE.get(self) is not None
+        net = None if decided_whole else _meta_build(self)
+        if net is not None and _whole_build_reason(self, net) is None:
             _check_covers(self, state, net)
             _allocate(net, torch.device(device))
             net.load_state_dict(state)
             return net
-        _log_built_whole(self, str(reason))
+        _whole_build_reason(self, net)  # logs the rule the first time
         model = self.build()
         _check_covers(self, state, model)
         model.load_state_dict(state)

@@ -70,6 +70,23 @@ USER_NETS = textwrap.dedent(
             return self.head(h.mean(dim=(2, 3)))
 
 
+    BUILDS = []
+
+
+    class CountedCNN(nn.Module):
+        '''Records the device each of its builds runs on; ``persistent=False`` keeps its offset out of the state.'''
+
+        def __init__(self, num_classes=10, persistent=True):
+            super().__init__()
+            BUILDS.append(torch.empty(0).device.type)
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.head = nn.Linear(8, num_classes)
+            self.register_buffer("offset", torch.ones(1, 3, 1, 1), persistent=persistent)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.conv(x + self.offset)).mean(dim=(2, 3)))
+
+
     def sized_by_values(num_classes=10):
         '''Widths read off a tensor, as torchvision's RegNets do: the meta device cannot answer.'''
         width = int(torch.tensor([4.0, 8.0]).sum().item())
@@ -191,6 +208,23 @@ def test_a_builder_reading_values_keeps_the_whole_build(user_nets, caplog) -> No
         new = spec.build_loaded(state)
     assert any("computes with tensor values" in r.getMessage() for r in caplog.records)
     assert_same_function(spec, old_build(spec, state), new)
+
+
+@pytest.mark.parametrize(("persistent", "builds"), [(True, ["meta"] * 3), (False, ["meta"] + ["cpu"] * 3)])
+def test_the_build_rule_is_decided_once_per_spec(user_nets, persistent: bool, builds: list[str]) -> None:
+    """A round loads a model twice: only the first load of a spec may pay for deciding its way. A model built
+    whole builds on the meta device that first time only; a lean one builds its fresh meta module and no more."""
+    import build_loaded_nets
+
+    spec = ModelSpec(
+        "build_loaded_nets:CountedCNN", 10, "atoms", model_args={"persistent": persistent}, input_shape=(3, 8, 8)
+    )
+    state = fetched_state(spec, seed=6)
+    build_loaded_nets.BUILDS.clear()
+    models = [spec.build_loaded(state) for _ in range(3)]
+    assert build_loaded_nets.BUILDS == builds
+    assert len({id(m) for m in models}) == 3  # a fresh module each time
+    assert_same_function(spec, old_build(spec, state), models[-1])
 
 
 def test_tied_parameters_stay_tied(user_nets) -> None:

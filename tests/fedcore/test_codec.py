@@ -162,6 +162,22 @@ def test_encoded_size_rejects_unknown_dtype() -> None:
         encoded_size((2,), "bfloat16")
 
 
+@pytest.mark.parametrize("fp16", [False, True])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool]
+)
+def test_a_torch_tensors_encoded_size_is_the_length_encode_writes(dtype: torch.dtype, fp16: bool) -> None:
+    """A push's resume positions count these sizes: they must be the bytes encode writes, 0-d and empty too."""
+    for shape in [(), (0, 3), (5, 2, 3)]:
+        t = torch.zeros(shape, dtype=dtype)
+        assert codec.tensor_encoded_size(t, fp16) == len(encode(t, fp16=fp16).data)
+
+
+def test_a_torch_tensors_encoded_size_refuses_what_encode_refuses() -> None:
+    with _raises("b", "unsupported_dtype"):
+        codec.tensor_encoded_size(torch.zeros(2, dtype=torch.bfloat16), True, name="b")
+
+
 # ----------------------------------------------------------------------------- decode rejections
 
 GOOD = encode(np.arange(12, dtype=np.float32).reshape(3, 4))
