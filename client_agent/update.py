@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from client_agent.state import ClientState
 from fedcore.spec import ModelSpec
-from fedcore.training import Dataset, TrainConfig, evaluate, local_update
+from fedcore.training import Dataset, TrainConfig, evaluate, local_update, resolve_device
 from fedcore.training.finetune import fine_tune
 from fedcore.training.nested import nested_cut
 from fedcore.training.personal import personal_evaluation_model
@@ -87,7 +87,8 @@ def run_task(
             state.personal_model = {n: t.clone() for n, t in start.items()}
     else:
         state.personal_model = None
-    model = spec.build_loaded(start)  # the tier's model alone: no plain model built and initialized first
+    # the tier's model alone, allocated where it trains: no plain model built first, no copy to the device after
+    model = spec.build_loaded(start, device=resolve_device(task.config.device))
     if personal_atoms and state.personal_atoms is None:
         state.personal_atoms = {n: t.clone() for n, t in state.global_tensors.items() if spec.tensor(n).role == "atoms"}
     terms = LocalTerms.from_config(task.strategy)
@@ -167,7 +168,7 @@ def evaluate_client(
     """
     last = None if state.last_config is None else TrainConfig.from_dict(state.last_config)
     config = on_device(TrainConfig() if last is None else last, device)
-    model = spec.build_loaded({**state.global_tensors, **state.local})
+    model = spec.build_loaded({**state.global_tensors, **state.local}, device=resolve_device(config.device))
     glob = evaluate(model, test_data, device=config.device)
     personal = None
     if state.personal_atoms is not None:
