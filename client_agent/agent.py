@@ -37,6 +37,7 @@ from client_agent.transport import (
     LONG_POLL_SECONDS,
     RETRYABLE,
     AggregatorClient,
+    Fetched,
     Stopped,
     Unauthenticated,
     task_from_proto,
@@ -364,7 +365,9 @@ class Agent:
         # round r trains the model round r−1 closed with: the evaluation fetch of r−1 already brought it
         # (no round closes between r−1's close and r's, and r cannot close before this client pushes)
         if scaffold or self._model_round is None or self._model_round < train.round - 1:
-            fetched = self.client.fetch(spec, s.versions, round_=train.round, include_server_control=scaffold)
+            fetched = self._fetch(train.round, include_server_control=scaffold)
+            if fetched is None:  # the federation went back past this task's round: ask for the next task
+                return
             s.receive(fetched.model)
             self._model_round, fetched_bytes = train.round - 1, fetched.nbytes
             if scaffold:
@@ -482,7 +485,8 @@ class Agent:
     def _evaluate(self, closed: int) -> None:
         """Fetch the model round ``closed`` produced and evaluate it on the local test split (reported with
         the next GetTask)."""
-        self._fetch_model_of(closed)
+        if not self._fetch_model_of(closed):
+            return
         assert self.state is not None
         with self.compute_lock:
             ev = self._evaluation(self.state)
@@ -490,16 +494,67 @@ class Agent:
         self.state.evaluate_round = None
         self._save(optional=True)
 
-    def _fetch_model_of(self, closed: int) -> None:
-        s, spec = self.state, self.spec
-        assert s is not None and spec is not None and self.test_data is not None
-        fetched = self.client.fetch(spec, s.versions, round_=closed, evaluate=True)
+    def _fetch_model_of(self, closed: int) -> bool:
+        """Fetch the model round ``closed`` produced; ``False`` when the federation went back past it."""
+        s = self.state
+        assert s is not None and self.test_data is not None
+        fetched = self._fetch(closed, evaluate=True)
+        if fetched is None:
+            return False
         s.receive(fetched.model)
         self._model_round = closed
+        return True
+
+    def _fetch(self, round_: int, **how: bool) -> Fetched | None:
+        """The tensors newer than the state holds, for round ``round_``; ``None`` when the server's federation
+        has no round ``round_`` (yet): it was restored from a backup taken before it (:meth:`_rewound`).
+
+        The round was the server's own word (a task, a heartbeat's closed round); a fetch retried across a
+        restore reaches a federation that went back, and is refused ``INVALID_ARGUMENT``. Whether that is the
+        refusal is asked, not read from its text: a heartbeat says the server's current round and what it
+        knows of ``round_``. Any other ``INVALID_ARGUMENT`` is this client's mistake, and raised."""
+        s, spec = self.state, self.spec
+        assert s is not None and spec is not None
+        try:
+            return self.client.fetch(spec, s.versions, round_=round_, **how)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:  # type: ignore[attr-defined]
+                raise
+            beat = self.client.heartbeat(round_=round_)
+            # ahead of the server's current round and of its last closed one, and no round the server holds
+            # (one abandoned still has its row: a fetch for it is served). A server that predates
+            # HeartbeatRequest.round answers UNSPECIFIED: its current round alone decides
+            unknown = beat.round_outcome in (pb.ROUND_OUTCOME_UNKNOWN, pb.ROUND_OUTCOME_UNSPECIFIED)
+            if not (unknown and round_ > max(beat.current_round, beat.last_closed_round)):
+                raise
+            self._rewound(round_, beat.current_round, exc.details())  # type: ignore[attr-defined]
+            return None
+
+    def _rewound(self, round_: int, server_round: int, detail: str) -> None:
+        """The server's federation has no round ``round_``: restored from a backup taken before it. What this
+        agent holds of the rounds past ``server_round`` came from rounds the federation no longer has: its
+        versions (the whole model is fetched again), the evaluation of such a round, the round it trained last."""
+        s = self.state
+        assert s is not None
+        log.warning(
+            "event=federation_rewound round=%d last_round=%d server_round=%d detail=%s",
+            round_,
+            s.last_round,
+            server_round,
+            json.dumps(detail),
+        )
+        s.versions.clear()
+        self._model_round = None
+        s.last_round = min(s.last_round, server_round)
+        s.evaluate_round = None
+        if self._report is not None and self._report.round > server_round:
+            self._report = None
+        self._save()
 
     def _fetch_to_evaluate_later(self, closed: int) -> None:
         """Fetch round ``closed``'s model now (the next round trains on it) and keep what evaluating it reads."""
-        self._fetch_model_of(closed)
+        if not self._fetch_model_of(closed):
+            return
         s = self.state
         assert s is not None
         personal = dict(s.personal_atoms) if s.personal_atoms is not None else None
