@@ -1,9 +1,9 @@
 """The client's side of the wire: typed calls to the aggregator, with retries a bad link needs.
 
 Every call goes through :meth:`AggregatorClient._call`, which retries transient failures
-(``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``ABORTED``) with exponential backoff and full
-jitter, and turns ``UNAUTHENTICATED`` into :class:`Unauthenticated` so an agent stops with a
-clear message instead of polling forever. A push is retried by rebuilding its stream with
+(``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ``ABORTED``, and a ``CANCELLED`` this client did not cause) with
+exponential backoff and full jitter, and turns ``UNAUTHENTICATED`` into :class:`Unauthenticated` so an agent
+stops with a clear message instead of polling forever. A push is retried by rebuilding its stream with
 the same ``update_id``, so the server stores it once however often the link drops.
 
 A slow link must not turn a transfer into an endless retry: a stream's deadline grows with its
@@ -78,7 +78,13 @@ LONG_POLL_SECONDS = 30.0
 #: The slowest link a transfer's deadline allows for by default (8 kbit/s): a fetch or push may take
 #: ``rpc_timeout`` plus its bytes at this rate before it is cut and retried.
 MIN_LINK_BYTES_PER_SECOND = 1_000
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
+#: Status codes a call is retried on. ``CANCELLED`` is one: this client cancels a call only when it stops, and
+#: :meth:`AggregatorClient._call` raises :class:`Stopped` for that before it looks at the code, so a ``CANCELLED``
+#: that reaches the code came from the other side: an aggregator that stopped mid-call (a failover), a proxy or
+#: ingress (nginx, Envoy) that ended the call. The push resumes, as after ``UNAVAILABLE``.
+RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED}
+)
 
 _T = TypeVar("_T")
 _C = TypeVar("_C", bound=grpc.Future)
