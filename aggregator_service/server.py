@@ -57,7 +57,15 @@ from fedwire.flow_control import MAX_MESSAGE_BYTES, RECEIVE_WINDOW_BYTES, STREAM
 from fedwire.v1 import aggregator_pb2 as pb
 from fedwire.v1 import aggregator_pb2_grpc as pb_grpc
 
-__all__ = ["MAX_MESSAGE_BYTES", "SERVICE_NAME", "AggregatorServicer", "DeadlineTicker", "build_server", "serve"]
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "SERVICE_NAME",
+    "AggregatorServicer",
+    "DeadlineTicker",
+    "LockWatch",
+    "build_server",
+    "serve",
+]
 
 log = logging.getLogger("fedatoms.aggregator")
 
@@ -900,6 +908,89 @@ class DeadlineTicker(threading.Thread):
 
 
 LOCK_CHECK_SECONDS = 5.0  # how often a running aggregator confirms it still holds its federation's lock
+SHUTDOWN_STEP_SECONDS = 5.0  # the most a shutdown step that needs the database (the last flush) may take
+
+
+class LockWatch(threading.Thread):
+    """Confirms every ``interval`` seconds that this process still holds its federation's lock
+    (:meth:`store.FederationLock.check`), on a thread of its own: a check stuck on a database that hangs never
+    holds up the loop that waits for SIGTERM.
+
+    A lock taken again after its session ended (``event=federation_lock_retaken``) reloads the coordinator from
+    the database: another aggregator may have held the lock meanwhile and closed, abandoned or opened rounds
+    this one's memory knows nothing of. A reload that fails (the database away again) is tried at every check
+    until one succeeds. A lock another aggregator took (``event=federation_lock_lost``) sets :attr:`lost` and
+    ``stop``: this one must not serve on.
+    """
+
+    def __init__(
+        self,
+        lock: store.FederationLock,
+        coordinator: Coordinator,
+        stop: threading.Event,
+        interval: float = LOCK_CHECK_SECONDS,
+    ) -> None:
+        super().__init__(name="federation-lock", daemon=True)
+        self.lock, self.coordinator, self.stop, self.interval = lock, coordinator, stop, interval
+        self.lost = False
+        self.reloads = 0  # reloads done after a retake
+        self._unreachable = False
+        self._reload_pending = False
+
+    def run(self) -> None:
+        while not self.stop.wait(self.interval):
+            self.check_once()
+
+    def check_once(self) -> None:
+        try:
+            retaken = self.lock.check()
+            self._unreachable = False
+        except store.LockUnconfirmed as exc:  # the database is away (a restart, a failover): wait for it
+            if not self._unreachable:
+                log.error(kv("database_unreachable", detail=str(exc), hint="serving on; checking every 5 s"))
+            self._unreachable = True
+            return
+        except store.FederationBusy as exc:  # another aggregator serves it now: this one must not
+            log.error(kv("federation_lock_lost", detail=str(exc)))
+            self.lost = True
+            self.stop.set()
+            return
+        if retaken:
+            log.warning(
+                kv(
+                    "federation_lock_retaken",
+                    hint="the database session that held it had ended; reloading the federation from the database",
+                )
+            )
+            self._reload_pending = True
+        if self._reload_pending and not self.stop.is_set():
+            try:
+                self.coordinator.reload()
+            except Exception as exc:
+                log.error(kv("federation_reload_failed", error=f"{type(exc).__name__}: {exc}", hint="retried"))
+                return
+            self._reload_pending = False
+            self.reloads += 1
+
+
+def _bounded(step: Callable[[], None], name: str, seconds: float = SHUTDOWN_STEP_SECONDS) -> None:
+    """Run a shutdown ``step`` that may need the database for at most ``seconds``: a database that hangs
+    must not hold the process (whatever the step did not write, a restart reloads from the store)."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            step()
+        except Exception as exc:
+            failed.append(exc)
+
+    worker = threading.Thread(target=run, name=f"shutdown-{name}", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        log.error(kv("shutdown_step_timed_out", step=name, seconds=seconds, hint="the database does not answer"))
+    elif failed:
+        log.error(kv("shutdown_step_failed", step=name, error=f"{type(failed[0]).__name__}: {failed[0]}"))
 
 
 def serve(settings: AggregatorSettings) -> int:
@@ -950,27 +1041,19 @@ def _serve(settings: AggregatorSettings, lock: store.FederationLock) -> int:
             database=make_url(settings.database_url).render_as_string(hide_password=True),
         )
     )
-    code = 0
-    unreachable = False
-    while not stop.wait(LOCK_CHECK_SECONDS):
-        try:
-            if lock.check():
-                log.warning(kv("federation_lock_retaken", hint="the database session that held it had ended"))
-            unreachable = False
-        except store.LockUnconfirmed as exc:  # the database is away (a restart, a failover): wait for it
-            if not unreachable:
-                log.error(kv("database_unreachable", detail=str(exc), hint="serving on; checking every 5 s"))
-            unreachable = True
-        except store.FederationBusy as exc:  # another aggregator serves it now: this one must not
-            log.error(kv("federation_lock_lost", detail=str(exc)))
-            code = 1
-            break
-    health_servicer.enter_graceful_shutdown()
-    coordinator.shared.stop_waiting()  # held GetTask calls answer now, not at the end of the grace period
+    watch = LockWatch(lock, coordinator, stop)
+    watch.start()
+    while not stop.wait(1.0):  # a timeout: the signal handler runs between waits on every platform
+        pass
+    health_servicer.enter_graceful_shutdown()  # NOT_SERVING first: nothing below waits for the database
+    _bounded(coordinator.shared.stop_waiting, "stop_waiting", 2.0)  # held GetTask calls answer now
     ticker.stop()
-    server.stop(grace=10).wait()
+    grace = 10
+    if not server.stop(grace=grace).wait(grace + 5):
+        log.error(kv("shutdown_step_timed_out", step="server_stop", seconds=grace + 5))
     servicer.close()
-    coordinator.flush()
+    _bounded(coordinator.flush, "flush")
+    code = 1 if watch.lost else 0
     log.info(kv("stopped"))
     return code
 

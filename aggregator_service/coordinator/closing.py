@@ -15,7 +15,9 @@ Push take, and in no write transaction:
 4. under the shared lock, the copy replaces the engine and the round is no longer open.
 
 A failed close leaves the engine untouched and reloads from the store; the round stays open, and
-a second failure of the same round with the same cause abandons it (:meth:`Closing.close`).
+a second failure of the same round with the same cause abandons it (:meth:`Closing.close`). A
+deadline that finds the round no longer open in the store (another aggregator closed or abandoned
+it) reloads too (``event=round_changed_elsewhere``).
 """
 
 from __future__ import annotations
@@ -267,11 +269,25 @@ class Closing:
         now = now or shared.clock()
         shared.refresh_state()
         with shared.lock:
-            reason = self._due(now)
             op = shared.open
-            if reason is None or op is None:
-                return
-            op.closing = True
+            try:
+                reason = self._due(now)
+            except (store.RoundStateError, store.NotFound) as exc:
+                # the database says the round is no longer open (another aggregator closed or abandoned it
+                # while this one's lock session was gone): follow the database, not fail every tick on it
+                changed: Exception | None = exc
+            else:
+                changed = None
+                op = shared.open
+                if reason is None or op is None:
+                    return
+                op.closing = True
+        if changed is not None or op is None or reason is None:
+            log.warning(
+                kv("round_changed_elsewhere", round=op.plan.round if op else None, detail=str(changed), action="reload")
+            )
+            load(shared)
+            return
         self.close(op, reason)
 
     def _due(self, now: datetime) -> str | None:

@@ -91,6 +91,12 @@ class Coordinator:
         with self.shared.lock:
             return self.shared.open.plan if self.shared.open else None
 
+    def reload(self) -> None:
+        """Rebuild the in-memory federation from the database, once no close is in flight: another aggregator
+        may have moved the federation on (it held the lock while this one's lock session was gone)."""
+        with self.shared.settled():
+            load(self.shared)
+
     def flush(self) -> None:
         """Write counted transfers and deferred last-seen times now (the ticker: every second; shutdown)."""
         self.ledger.flush(self.registry.drain_touches())

@@ -46,7 +46,7 @@ from .models import (
     UpdateTensor,
     utcnow,
 )
-from .ownership import FederationBusy, FederationLock, LockUnconfirmed, exclusive_federation
+from .ownership import FederationBusy, FederationLock, LockUnconfirmed, exclusive_federation, federation_served
 from .repository import (
     ENROLLMENT_PBKDF2_ITERATIONS,
     MAX_ROUNDS_PER_PRUNE,
@@ -165,6 +165,7 @@ __all__ = [
     "evaluation_summary",
     "exclusive_federation",
     "extend_round",
+    "federation_served",
     "get_client",
     "get_federation",
     "get_open_round",

@@ -14,7 +14,13 @@ replicas) get the settings each needs:
   power cut, not only a crash. A writer engine checkpoints the WAL from a thread of its own
   (:mod:`.wal`), so no commit waits for a checkpoint.
 * **PostgreSQL**: ``pool_pre_ping`` so connections dropped by a database restart or a proxy
-  are replaced transparently.
+  are replaced transparently, and bounded waits on the network (:data:`POSTGRES_CONNECT_ARGS`): a
+  connect gives up after 10 s, TCP keepalives find a peer that vanished (a host down, a cut link, a
+  firewall that forgot the connection) within about a minute instead of the kernel's two hours, and
+  ``tcp_user_timeout`` drops a connection whose sent data stays unacknowledged for 60 s. No
+  ``statement_timeout`` here: a migration or a large close may legitimately run long (the federation
+  lock's own connection has one, :mod:`.ownership`). A value the URL's query or the caller's
+  ``connect_args`` gives wins over these.
 
 Migrations are Alembic revisions under ``migrations/`` run programmatically by
 :func:`upgrade`; no ``alembic.ini`` is needed at run time.
@@ -41,6 +47,7 @@ from .wal import BACKSTOP_PAGES, WalCheckpointer
 
 __all__ = [
     "MIGRATIONS_DIR",
+    "POSTGRES_CONNECT_ARGS",
     "alembic_config",
     "create_engine_for",
     "current_revision",
@@ -54,6 +61,16 @@ __all__ = [
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 # pg_advisory_xact_lock key held while migrating, so replicas starting together upgrade one at a time.
 _MIGRATION_LOCK_KEY = 0x6665_6461_746D  # "fedatm"
+
+#: libpq connection parameters every PostgreSQL engine gets unless its URL or its caller sets them
+POSTGRES_CONNECT_ARGS: dict[str, Any] = {
+    "connect_timeout": 10,  # seconds for a connection to be made (libpq: wait forever)
+    "keepalives": 1,
+    "keepalives_idle": 30,  # seconds idle before the first probe (the kernel's default: 7200)
+    "keepalives_interval": 10,  # seconds between probes
+    "keepalives_count": 3,  # unanswered probes before the connection is dropped
+    "tcp_user_timeout": 60_000,  # ms sent data may stay unacknowledged (Linux; ignored elsewhere)
+}
 
 
 def create_engine_for(
@@ -82,6 +99,12 @@ def create_engine_for(
         checkpoint = sqlite_checkpoint or ("commit" if sqlite_begin == "DEFERRED" else "background")
         return _sqlite_engine(u, sqlite_busy_timeout_ms, sqlite_begin, checkpoint, kwargs)
     kwargs.setdefault("pool_pre_ping", True)
+    if u.get_backend_name() == "postgresql" and u.get_driver_name() in ("psycopg", "psycopg2"):  # libpq's
+        connect_args = dict(kwargs.pop("connect_args", None) or {})
+        for key, value in POSTGRES_CONNECT_ARGS.items():
+            if key not in u.query:  # connect_args would override the URL's own: the operator's value stands
+                connect_args.setdefault(key, value)
+        kwargs["connect_args"] = connect_args
     return create_engine(u, **kwargs)
 
 

@@ -8,8 +8,19 @@ does not know about. :func:`exclusive_federation` makes the second one refuse to
   on a connection kept open while serving. PostgreSQL drops it when that session ends, so a
   killed aggregator never leaves it behind.
 * **SQLite**: ``flock`` on a file beside the database, ``<database>.<federation>-<hash>.lock``
-  (the name made safe for a file name, plus a hash of it), which also names the holder's pid.
-  The kernel drops it when the process dies, ``kill -9`` included.
+  (the name made safe for a file name, plus a hash of it), which also names the holder's pid, and,
+  where the kernel has them (Linux), an open-file-description ``fcntl`` write lock on the same file:
+  :func:`federation_served` tests that one with ``F_OFD_GETLK``, which takes nothing, so a probe never
+  makes a starting aggregator find its federation busy. The kernel drops both when the process dies,
+  ``kill -9`` included. An older release takes the ``flock`` alone, and still excludes (and is excluded by)
+  this one.
+
+:func:`federation_served` tells whether some aggregator serves a federation now, without taking part in
+the lock (for the dashboard).
+
+The lock's own PostgreSQL connection has a ``statement_timeout`` (:data:`LOCK_STATEMENT_TIMEOUT_MS`), and
+:meth:`_AdvisoryLock.release` waits a bounded time for its connection to close, so a database that hangs
+(a stopped backend, a link that swallows packets) never holds a shutdown.
 """
 
 from __future__ import annotations
@@ -17,6 +28,9 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import struct
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,15 +42,35 @@ from sqlalchemy.pool import NullPool
 
 from .engine import create_engine_for
 
-__all__ = ["FederationBusy", "FederationLock", "LockUnconfirmed", "exclusive_federation"]
+__all__ = [
+    "LOCK_STATEMENT_TIMEOUT_MS",
+    "FederationBusy",
+    "FederationLock",
+    "LockUnconfirmed",
+    "exclusive_federation",
+    "federation_served",
+]
+
+#: the lock connection's ``statement_timeout``: its statements (``SELECT 1``, ``pg_try_advisory_lock``) never
+#: wait on anything, so one that runs this long means the database is stuck
+LOCK_STATEMENT_TIMEOUT_MS = 5_000
+#: how long closing the lock's connection may take when the server lets go (a hung database: the process
+#: exits anyway, and the lock dies with its session)
+_RELEASE_WAIT_SECONDS = 2.0
 
 
 class FederationBusy(RuntimeError):
     """Another aggregator serves this federation on this database."""
 
 
-_PG_TRY_LOCK = text(
-    "SELECT pg_try_advisory_lock(hashtextextended(current_database() || '/' || current_schema() || '/' || :name, 0))"
+_PG_KEY = "hashtextextended(current_database() || '/' || current_schema() || '/' || :name, 0)"
+_PG_TRY_LOCK = text(f"SELECT pg_try_advisory_lock({_PG_KEY})")
+# a bigint advisory key shows in pg_locks split: classid its high 32 bits, objid its low 32, objsubid 1
+_PG_HELD = text(
+    f"SELECT EXISTS (SELECT 1 FROM pg_locks, (SELECT {_PG_KEY} AS k) AS key "
+    "WHERE locktype = 'advisory' AND granted AND objsubid = 1 "
+    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+    "AND classid = ((key.k >> 32) & 4294967295)::oid AND objid = (key.k & 4294967295)::oid)"
 )
 
 
@@ -63,6 +97,11 @@ class _AdvisoryLock(FederationLock):
 
     def take(self) -> bool:
         conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")  # no transaction left open
+        try:
+            conn.execute(text(f"SET statement_timeout = {LOCK_STATEMENT_TIMEOUT_MS}"))
+        except BaseException:
+            conn.close()
+            raise
         if conn.execute(_PG_TRY_LOCK, {"name": self.name}).scalar():
             self.conn = conn
             return True
@@ -92,12 +131,20 @@ class _AdvisoryLock(FederationLock):
         return True
 
     def release(self) -> None:
-        if self.conn is not None:
+        conn, self.conn = self.conn, None
+        if conn is None:
+            return
+
+        def close() -> None:
             try:
-                self.conn.close()  # ends the session, which releases the lock
+                conn.close()  # ends the session, which releases the lock
             except DBAPIError:
                 pass
-            self.conn = None
+
+        # a check stuck on a hung database holds the connection: closing it would wait as long
+        closer = threading.Thread(target=close, name="federation-lock-release", daemon=True)
+        closer.start()
+        closer.join(_RELEASE_WAIT_SECONDS)
 
 
 def _busy(name: str, where: str, holder: str) -> str:
@@ -134,20 +181,95 @@ def exclusive_federation(url: str, federation_name: str) -> Iterator[FederationL
         lock.engine.dispose()
 
 
-@contextmanager
-def _file_lock(database: Path, federation_name: str, url: str) -> Iterator[None]:
+def federation_served(url: str, federation_name: str) -> bool:
+    """Whether an aggregator holds ``federation_name``'s lock on the database at ``url`` now; takes no lock.
+
+    PostgreSQL: the advisory lock granted to some session in ``pg_locks``. SQLite: the ``fcntl`` lock on
+    the lock file, tested with ``F_OFD_GETLK`` (without it, a ``flock`` probe let go at once; the aggregator's
+    start retries briefly, so such a probe never makes it refuse to start). A memory database is private to
+    its process: never served as far as another can tell.
+    """
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        if u.database in (None, "", ":memory:"):
+            return False
+        return _file_served(_lock_path(Path(u.database), federation_name))
+    engine = create_engine_for(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return bool(conn.execute(_PG_HELD, {"name": federation_name}).scalar())
+    finally:
+        engine.dispose()
+
+
+def _lock_path(database: Path, federation_name: str) -> Path:
     safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in federation_name)
     digest = hashlib.sha256(federation_name.encode()).hexdigest()[:8]  # two names that sanitize alike differ
-    path = database.resolve().with_name(f"{database.name}.{safe}-{digest}.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    return database.resolve().with_name(f"{database.name}.{safe}-{digest}.lock")
+
+
+# open-file-description locks (Linux): owned by the open file, like flock (two opens in one process exclude
+# each other, unlike classic fcntl locks), and testable with F_OFD_GETLK, unlike flock
+_OFD = hasattr(fcntl, "F_OFD_GETLK") and hasattr(fcntl, "F_OFD_SETLK")
+_FLOCK = "hhqqi4x"  # struct flock on LP64 Linux: l_type, l_whence, (pad), l_start, l_len, l_pid, (pad)
+# a start retries its flock this long: a flock probe (where there are no OFD locks) holds it for microseconds
+_START_RETRY_SECONDS = 0.5
+
+
+def _ofd(fd: int, cmd: int, kind: int) -> int:
+    """``fcntl(fd, cmd, struct flock)`` over the whole file; the ``l_type`` the kernel answered."""
+    answer = fcntl.fcntl(fd, cmd, struct.pack(_FLOCK, kind, os.SEEK_SET, 0, 0, 0))
+    return int(struct.unpack(_FLOCK, answer)[0])
+
+
+def _file_served(path: Path) -> bool:
     try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:  # never served here
+        return False
+    try:
+        if _OFD:
+            return _ofd(fd, fcntl.F_OFD_GETLK, fcntl.F_WRLCK) != fcntl.F_UNLCK
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _take_file_lock(fd: int) -> bool:
+    """``flock`` then (where there are OFD locks) the OFD write lock; ``False`` when another holds either."""
+    deadline = time.monotonic() + (0 if _OFD else _START_RETRY_SECONDS)
+    while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
         except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+    if _OFD:
+        try:
+            _ofd(fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK)
+        except OSError:  # EAGAIN/EACCES: held through another open file
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+    return True
+
+
+@contextmanager
+def _file_lock(database: Path, federation_name: str, url: str) -> Iterator[None]:
+    path = _lock_path(database, federation_name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if not _take_file_lock(fd):
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             raise FederationBusy(_busy(federation_name, url, f" (pid {holder}, lock {path})")) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
-        os.close(fd)  # releases the flock
+        os.close(fd)  # releases the flock and the OFD lock (the last descriptor of its open file)
