@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import logging
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.resources import files
@@ -36,7 +37,7 @@ from .deps import DashboardState, KnownParameters, ReadAccess, StateDep
 from .metrics import build_registry
 from .routes import ROUTERS
 from .schemas import Health, Readiness
-from .settings import DashboardSettings
+from .settings import DEFAULT_DATABASE_TIMEOUT, DashboardSettings
 
 __all__ = ["create_app", "create_engine"]
 
@@ -44,33 +45,71 @@ log = logging.getLogger(__name__)
 API_PREFIX = "/api/v1"
 #: the most of a rejected value a 422 quotes back
 ECHOED = 200
+#: the most of the driver's message a 503 quotes (``database is locked``, ``connection timeout expired``)
+SAID = 200
 #: paths that probes and uptime checks (``curl -I``, load balancers) may ask with HEAD
 PROBED = frozenset({"/healthz", "/readyz", "/metrics", "/"})
 STATIC = files("dashboard_api") / "static"
 SWAGGER_UI_URL = "/static/vendor/swagger-ui"  # Swagger UI, vendored (README.md there): /docs works offline
 
 
-def create_engine(database_url: str) -> Engine:
+#: how long an admin action waits for the aggregator's locks: SQLite's busy timeout, PostgreSQL's lock and statement
+#: timeouts (a pause waits out a round's close instead of failing)
+WRITE_WAIT_SECONDS = 30.0
+
+
+def create_engine(database_url: str, timeout_seconds: float = DEFAULT_DATABASE_TIMEOUT) -> Engine:
     """A read-mostly engine: SQLite transactions start DEFERRED so reads never queue behind the aggregator. A SQLite
     file is opened only if it exists (``mode=rw``): the aggregator creates and migrates it, and a mistyped path
-    would otherwise leave an empty database behind."""
+    would otherwise leave an empty database behind.
+
+    Every wait is bounded by ``timeout_seconds`` (:func:`database_timeouts`), and so is a checkout from the pool:
+    a database that does not answer makes a request fail (503, ``fedatoms_database_up 0``) instead of hang."""
     url = make_url(database_url)
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = database_timeouts(url, timeout_seconds)
     if not (url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")):
-        kwargs.update(pool_size=10, max_overflow=40, pool_timeout=10)
+        kwargs.update(pool_size=10, max_overflow=40, pool_timeout=timeout_seconds)
     path = sqlite_file(url)
     if path is not None:
         url = url.set(database=f"file:{quote(str(path))}", query={**url.query, "mode": "rw", "uri": "true"})
     return store.create_engine_for(url, sqlite_begin="DEFERRED", **kwargs)
 
 
+def database_timeouts(url: URL, seconds: float) -> dict[str, Any]:
+    """:func:`store.create_engine_for` arguments that bound how long one wait for the database lasts: SQLite's busy
+    timeout; for PostgreSQL (libpq drivers) the connection attempt (``connect_timeout``, whole seconds, at least 2 as
+    libpq counts them) and each statement and lock wait (``statement_timeout``, ``lock_timeout``). What the URL
+    itself sets wins (its ``connect_timeout``, its ``options`` after these)."""
+    ms = max(1, round(seconds * 1000))
+    if url.get_backend_name() == "sqlite":
+        return {"sqlite_busy_timeout_ms": ms}
+    if url.get_driver_name() not in ("psycopg", "psycopg2"):
+        return {}
+    given = url.query.get("options") or ()
+    ours = f"-c statement_timeout={ms} -c lock_timeout={ms}"
+    options = " ".join([ours, *([given] if isinstance(given, str) else given)])
+    connect_args: dict[str, Any] = {"options": options}
+    if "connect_timeout" not in url.query:
+        connect_args["connect_timeout"] = max(2, math.ceil(seconds))
+    return {"connect_args": connect_args}
+
+
 def writer_engine(engine: Engine) -> Engine | None:
-    """For a SQLite file, an engine whose transactions begin IMMEDIATE, for the admin actions: they take the write
-    lock before they read, so they wait for the aggregator's commit (busy_timeout) instead of failing on a
-    snapshot it made stale. ``None``: the reader serves (PostgreSQL, or a memory database only it can reach)."""
-    if engine.dialect.name != "sqlite" or engine.url.database in (None, "", ":memory:"):
+    """An engine for the admin actions, whose waits for the aggregator last up to :data:`WRITE_WAIT_SECONDS` (the
+    reader's are bounded for the probes and scrapes). For a SQLite file its transactions begin IMMEDIATE: they take
+    the write lock before they read, so they wait for the aggregator's commit (busy_timeout) instead of failing on
+    a snapshot it made stale. ``None``: the reader serves (a memory database only it can reach)."""
+    if engine.dialect.name != "sqlite":
+        return store.create_engine_for(engine.url, pool_size=2, **database_timeouts(engine.url, WRITE_WAIT_SECONDS))
+    if engine.url.database in (None, "", ":memory:"):
         return None
-    return store.create_engine_for(engine.url, sqlite_begin="IMMEDIATE", sqlite_checkpoint="commit", pool_size=2)
+    return store.create_engine_for(
+        engine.url,
+        sqlite_begin="IMMEDIATE",
+        sqlite_checkpoint="commit",
+        pool_size=2,
+        **database_timeouts(engine.url, WRITE_WAIT_SECONDS),
+    )
 
 
 def sqlite_file(url: str | URL) -> Path | None:
@@ -110,7 +149,7 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
     """An app over ``settings.database_url`` (or ``engine``); the engine is disposed on shutdown if created here."""
     settings = settings or DashboardSettings()
     owned = engine is None
-    engine = engine or create_engine(settings.database_url)
+    engine = engine or create_engine(settings.database_url, settings.database_timeout_seconds)
     writer = writer_engine(engine)
     state = DashboardState(
         settings, engine, store.session_factory(engine), store.session_factory(engine if writer is None else writer)
@@ -150,8 +189,11 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
                 f"{named} does not exist: start the aggregator (fedatoms aggregator serve) with this database_url, "
                 "which creates and migrates it, or correct database_url"
             )
+        # the driver's words say the cause (``database is locked``, a timeout); the probes keep to the type, as they
+        # name no file either: a libpq message names the host and the user
+        said = f"{type(exc).__name__}: {driver_says(exc)[:SAID]}" if where else type(exc).__name__
         return (
-            f"the database is unavailable or not migrated ({type(exc).__name__}); check database_url "
+            f"the database is unavailable or not migrated ({said}); check database_url "
             "and that the aggregator has started (it migrates the schema)"
         )
 
@@ -172,8 +214,10 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
         log.warning("database error: %s", driver_says(exc))
         return JSONResponse({"detail": unavailable(exc)}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
 
+    # async: answered on the event loop, never queued behind reads that fill the worker threads while the
+    # database is slow (liveness must not depend on it)
     @app.get("/healthz", response_model=Health, tags=["health"])
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:
         """The process serves requests (liveness)."""
         return {"status": "ok"}
 
@@ -210,7 +254,7 @@ def create_app(settings: DashboardSettings | None = None, *, engine: Engine | No
     )
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    def index() -> HTMLResponse:
+    async def index() -> HTMLResponse:  # no database: on the event loop, as /healthz
         return HTMLResponse(page)
 
     @app.get("/docs", response_class=HTMLResponse, include_in_schema=False)

@@ -20,10 +20,12 @@ from aggregator_service.federation_name import FederationName
 from aggregator_service.listen import split_listen
 from aggregator_service.toml_settings import TomlSettings
 
-__all__ = ["DashboardSettings", "unread_environment"]
+__all__ = ["DEFAULT_DATABASE_TIMEOUT", "DashboardSettings", "unread_environment"]
 
 #: Keys the dashboard shares with the aggregator's settings (top level of its TOML file).
 SHARED_KEYS = ("database_url", "federation_name", "heartbeat_timeout_seconds")
+#: Seconds a read waits for the database at most, per wait: under Prometheus's 10 s scrape timeout with room to spare.
+DEFAULT_DATABASE_TIMEOUT = 3.0
 
 
 def _env(name: str) -> AliasChoices:
@@ -45,6 +47,9 @@ class DashboardSettings(TomlSettings):
     admin_token: SecretStr | None = None
     #: Bearer token every read needs (the admin token also reads); unset: reads are open.
     read_token: SecretStr | None = None
+    #: The longest one wait for the database lasts (connecting, a statement, a lock, a pooled connection): a
+    #: database that does not answer fails a read with 503 and ``fedatoms_database_up 0`` instead of hanging it.
+    database_timeout_seconds: float = Field(default=DEFAULT_DATABASE_TIMEOUT, gt=0.0, le=300.0)
     #: How often the page polls the REST API.
     poll_seconds: float = Field(default=3.0, gt=0.0, le=3600.0)
 

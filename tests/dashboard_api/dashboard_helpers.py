@@ -156,6 +156,18 @@ def run_federation(url: str, history_rounds: int | None = None) -> Iterator[Fede
         server.stop(grace=None)
 
 
+def new_federation(url: str, name: str = "default") -> None:
+    """Migrate the database at ``url`` and create federation ``name`` in it, with the store alone: no aggregator
+    keeps a connection open (a test may then lock the file, or write rounds of its own)."""
+    store.upgrade(url)
+    engine = store.create_engine_for(url)
+    try:
+        with store.session_factory(engine).begin() as s:
+            store.create_federation(s, name, {}, SECRET, iterations=1_000)
+    finally:
+        engine.dispose()
+
+
 @dataclass
 class LiveServer:
     base_url: str
