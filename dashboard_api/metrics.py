@@ -92,11 +92,45 @@ def _families(snap: dict) -> Iterator[Metric]:
     for s in store.FEDERATION_STATES:
         state.add_metric([s], 1 if snap["state"] == s else 0)
     yield state
-    yield from _gauge("fedatoms_current_round", "The open round, else the last closed one", snap["current_round"])
+    yield from _gauge(
+        "fedatoms_current_round",
+        "The open round, else the last closed one (goes back when a round is abandoned: alert on "
+        "fedatoms_last_closed_round)",
+        snap["current_round"],
+    )
+    yield from _gauge(
+        "fedatoms_last_closed_round",
+        "The last closed round, 0 before the first (never decreases)",
+        snap["last_closed_round"],
+    )
+    yield from _gauge(
+        "fedatoms_last_round_closed_timestamp_seconds",
+        "When the last closed round closed, Unix seconds; absent before the first close",
+        snap["last_closed_at"],
+    )
+    yield from _gauge(
+        "fedatoms_open_round_opened_timestamp_seconds",
+        "When the open round opened, Unix seconds; absent while no round is open",
+        snap["open_round_opened_at"],
+    )
+    yield from _gauge(
+        "fedatoms_open_round_deadline_timestamp_seconds",
+        "The open round's deadline, Unix seconds; absent while no round is open",
+        snap["open_round_deadline"],
+    )
     rounds = GaugeMetricFamily("fedatoms_rounds", "Rounds by state", labels=["state"])
     for s, n in snap["rounds"].items():
         rounds.add_metric([s], n)
     yield rounds
+    for key, name, doc in (
+        ("cohort_size", "fedatoms_round_cohort_clients", "Clients sampled into the finished rounds' cohorts"),
+        ("reported", "fedatoms_round_reported_clients", "Clients whose update the finished rounds kept"),
+        ("stragglers", "fedatoms_round_straggler_clients", "Cohort clients whose update the finished rounds lacked"),
+    ):
+        counter = CounterMetricFamily(name, f"{doc}, summed over rounds, by how the round ended", labels=["state"])
+        for state, sums in snap["participation"].items():
+            counter.add_metric([state], sums[key])
+        yield counter
     clients = snap["clients"]
     yield from _gauge(
         "fedatoms_clients_online", "Unrevoked clients heard from within the heartbeat timeout", clients["online"]

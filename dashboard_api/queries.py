@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from sqlalchemy import Float, Select, and_, case, cast, func, literal, select
+from sqlalchemy import Float, Integer, Select, and_, case, cast, func, literal, select
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
 
 from aggregator_service import store
 
@@ -27,6 +30,7 @@ __all__ = [
     "federation_summary",
     "intervals",
     "metrics_snapshot",
+    "participation",
     "round_detail",
     "round_page",
 ]
@@ -137,13 +141,57 @@ def evaluation_means(session: Session, fed_id: int, rounds: Sequence[int]) -> di
     return {int(r.round): {k: v for k, v in r._mapping.items() if k != "round"} for r in result}
 
 
+class _json_array_length(FunctionElement[int]):
+    """How many items a JSON array kept in a TEXT column holds, counted by the database."""
+
+    type = Integer()
+    inherit_cache = True
+
+
+@compiles(_json_array_length)
+def _json_array_length_sql(element: _json_array_length, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"json_array_length({compiler.process(element.clauses, **kw)})"  # SQLite's JSON1
+
+
+@compiles(_json_array_length, "postgresql")
+def _json_array_length_pg(element: _json_array_length, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"json_array_length(CAST({compiler.process(element.clauses, **kw)} AS json))"
+
+
+#: the clients a round counted, as REST shows them per round and /metrics sums them over rounds: one definition
+PARTICIPATION = ("cohort_size", "reported", "stragglers")
+
+
+def participation() -> list[Any]:
+    """A round's cohort size, the clients whose update it kept (``reported``) and the rest of its cohort
+    (``stragglers``, set when it closes or is abandoned): the columns ``/rounds`` shows and ``/metrics`` sums. They
+    live in ``rounds``, which ``history_rounds`` never prunes, so sums over finished rounds never decrease."""
+    r = store.Round
+    return [_json_array_length(r.cohort).label("cohort_size"), r.reported, r.stragglers]
+
+
+def participation_totals(session: Session, fed_id: int) -> dict[str, dict[str, int]]:
+    """:func:`participation` summed over the closed and over the abandoned rounds (they change no more)."""
+    r = store.Round
+    per_state = {state: dict.fromkeys(PARTICIPATION, 0) for state in ("closed", "abandoned")}
+    columns = participation()
+    rows = session.execute(
+        select(r.state, *(func.coalesce(func.sum(c), 0) for c in columns))
+        .where(r.federation_id == fed_id, r.state.in_(list(per_state)))
+        .group_by(r.state)
+    )
+    for state, *sums in rows:
+        per_state[state] = {k: int(v) for k, v in zip(PARTICIPATION, sums, strict=True)}
+    return per_state
+
+
 def _round_select(fed_id: int, rounds: Sequence[int]) -> Select[Any]:
     """``rounds`` with their metrics row and their bytes from ``round_bytes``, the sums ``/bandwidth`` reads
     too (the metrics row's byte columns are a snapshot at close, before the round's evaluation fetches)."""
     r, m = store.Round, store.RoundMetrics
     moved = _round_byte_sums(fed_id, rounds)
     return (
-        select(r, m, moved)
+        select(r, m, moved, *participation())
         .outerjoin(m, and_(m.federation_id == r.federation_id, m.round == r.number))
         .outerjoin(moved, moved.c.round == r.number)
         .where(r.federation_id == fed_id, r.number.in_(list(rounds)))
@@ -158,9 +206,7 @@ def _round_dict(row: Any, evals: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "number": rnd.number,
         "state": rnd.state,
-        "cohort_size": len(rnd.cohort or ()),
-        "reported": rnd.reported,
-        "stragglers": rnd.stragglers,
+        **{k: int(row._mapping[k] or 0) for k in PARTICIPATION},
         "late_pushes": rnd.late_pushes,
         "opened_at": rnd.opened_at,
         "closed_at": rnd.closed_at,
@@ -473,7 +519,8 @@ def metrics_snapshot(
     """Everything ``/metrics`` exposes: one aggregate per table, the rest by index.
 
     A closed round always has its metrics row, so closed rounds are counted on ``round_metrics``
-    (primary-key scan) and abandoned ones by difference, never by scanning ``rounds``' JSON rows.
+    (primary-key scan) and abandoned ones by difference; the one scan of ``rounds`` sums its clients
+    (:func:`participation_totals`, each cohort's JSON array counted by the database).
     """
     m, r, e = store.RoundMetrics, store.Round, store.Evaluation
     duration = m.duration_seconds
@@ -488,7 +535,15 @@ def metrics_snapshot(
     ).one()
     n_closed, last_closed, n_durations, duration_sum = closed[:4]
     all_rounds = int(session.scalar(select(func.count()).select_from(r).where(r.federation_id == fed.id)) or 0)
-    open_round = session.scalar(select(r.number).where(r.federation_id == fed.id, r.state == "open"))
+    opened = session.execute(
+        select(r.number, r.opened_at, r.deadline).where(r.federation_id == fed.id, r.state == "open")
+    ).first()
+    open_round = None if opened is None else opened.number
+    closed_at = (
+        None
+        if last_closed is None
+        else session.scalar(select(r.closed_at).where(r.federation_id == fed.id, r.number == last_closed))
+    )
     last_eval = session.scalar(select(e.round).where(e.federation_id == fed.id).order_by(e.round.desc()).limit(1))
     tensors = []
     if last_closed is not None:  # the last closed round: an open round's rows only count bytes so far
@@ -511,6 +566,12 @@ def metrics_snapshot(
             "abandoned": all_rounds - int(n_closed) - int(open_round is not None),
         },
         "current_round": open_round if open_round is not None else int(last_closed or 0),
+        "last_closed_round": int(last_closed or 0),
+        # Unix seconds (the store's datetimes are UTC-aware on both backends); None: nothing to report
+        "last_closed_at": None if closed_at is None else closed_at.timestamp(),
+        "open_round_opened_at": None if opened is None else opened.opened_at.timestamp(),
+        "open_round_deadline": None if opened is None else opened.deadline.timestamp(),
+        "participation": participation_totals(session, fed.id),
         "clients": clients,
         "duration_count": int(n_durations),
         "duration_sum": float(duration_sum or 0.0),

@@ -15,12 +15,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -53,6 +54,19 @@ def database(backend: str, tmp: Path) -> Iterator[str]:
         yield url
 
 
+@contextmanager
+def store_session(url: str) -> Iterator[tuple[Session, store.Federation]]:
+    """A store transaction on ``url`` and its default federation, committed on leaving."""
+    engine = store.create_engine_for(url)
+    try:
+        with store.session_factory(engine).begin() as s:
+            fed = store.get_federation(s, "default")
+            assert fed is not None
+            yield s, fed
+    finally:
+        engine.dispose()
+
+
 @dataclass
 class Federation:
     """The filled database and the aggregator still serving it."""
@@ -66,17 +80,9 @@ class Federation:
     #: round → what each reporter sent: (global accuracy, personalized accuracy or None, num_samples)
     reports: dict[int, list[tuple[float, float | None, int]]] = field(default_factory=dict)
 
-    @contextmanager
-    def session(self) -> Iterator[tuple[Session, store.Federation]]:
+    def session(self) -> AbstractContextManager[tuple[Session, store.Federation]]:
         """A store session on the filled database, for comparing the API with what the store holds."""
-        engine = store.create_engine_for(self.url)
-        try:
-            with store.session_factory(engine).begin() as s:
-                fed = store.get_federation(s, "default")
-                assert fed is not None
-                yield s, fed
-        finally:
-            engine.dispose()
+        return store_session(self.url)
 
     def secrets(self) -> list[str]:
         """Strings that must never leave the dashboard: tokens, their hashes, the enrollment secret and its hash."""
@@ -166,6 +172,16 @@ def new_federation(url: str, name: str = "default") -> None:
             store.create_federation(s, name, {}, SECRET, iterations=1_000)
     finally:
         engine.dispose()
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """A Prometheus exposition's samples by ``name{label=value,…}`` (labels sorted), or ``name`` alone."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
 
 
 @dataclass

@@ -7,11 +7,11 @@ check that the dashboard's SQL (paging, window sums, weighted means) says what t
 from __future__ import annotations
 
 import math
+from datetime import datetime
 
 import httpx
 import pytest
-from dashboard_helpers import ROUNDS_CLOSED, Federation, start_dashboard
-from prometheus_client.parser import text_string_to_metric_families
+from dashboard_helpers import ROUNDS_CLOSED, Federation, metric_samples, start_dashboard
 from sqlalchemy import func, select
 
 from aggregator_service import store
@@ -270,19 +270,10 @@ def test_intervals_now_and_history(api: httpx.Client, federation: Federation) ->
     assert [p["round"] for p in one["tensors"][0]["history"]] == [2]
 
 
-def _metrics(text: str) -> dict[str, float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return out
-
-
 def test_prometheus_metrics(dashboard, federation: Federation) -> None:
     r = httpx.get(f"{dashboard.base_url}/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    m = _metrics(r.text)
+    m = metric_samples(r.text)
     assert m["fedatoms_database_up"] == 1 and m["fedatoms_current_round"] == 4
     assert m["fedatoms_federation_found"] == 1
     assert m["fedatoms_clients_online"] == 4 and m["fedatoms_clients_registered"] == 4
@@ -337,7 +328,7 @@ def test_a_wrong_federation_name_shows_in_metrics(federation: Federation) -> Non
     alert on it could not see a mistyped federation_name."""
     live = start_dashboard(DashboardSettings(database_url=federation.url, federation_name="nosuch"))
     try:
-        m = _metrics(httpx.get(f"{live.base_url}/metrics").text)
+        m = metric_samples(httpx.get(f"{live.base_url}/metrics").text)
         assert httpx.get(f"{live.base_url}/api/v1/federation").status_code == 404
     finally:
         live.stop()
@@ -370,3 +361,29 @@ def test_no_response_carries_a_secret(api: httpx.Client, dashboard, federation: 
         assert body
         for secret in secrets:
             assert secret not in body
+
+
+def test_round_times_and_participation_in_metrics_say_what_rest_says(api: httpx.Client, dashboard) -> None:
+    """The aggregator's own rounds: the timestamps are the rows' ``closed_at``, ``opened_at`` and ``deadline`` that
+    REST shows; every one of the three clients reported in each of the three closed rounds (9 of 9, none late)."""
+    m = metric_samples(httpx.get(f"{dashboard.base_url}/metrics").text)
+    rounds = {r["number"]: r for r in api.get("/rounds").json()["items"]}
+
+    def unix(value: str) -> float:
+        return datetime.fromisoformat(value).timestamp()
+
+    assert m["fedatoms_last_closed_round"] == ROUNDS_CLOSED
+    assert m["fedatoms_last_round_closed_timestamp_seconds"] == unix(rounds[ROUNDS_CLOSED]["closed_at"])
+    assert m["fedatoms_open_round_opened_timestamp_seconds"] == unix(rounds[ROUNDS_CLOSED + 1]["opened_at"])
+    assert m["fedatoms_open_round_deadline_timestamp_seconds"] == unix(rounds[ROUNDS_CLOSED + 1]["deadline"])
+    assert (
+        m["fedatoms_open_round_opened_timestamp_seconds"]
+        > m["fedatoms_last_round_closed_timestamp_seconds"]
+        > unix(rounds[1]["opened_at"])
+    )
+    closed = [rounds[n] for n in range(1, ROUNDS_CLOSED + 1)]
+    assert [(r["cohort_size"], r["reported"], r["stragglers"]) for r in closed] == [(3, 3, 0)] * ROUNDS_CLOSED
+    assert m["fedatoms_round_cohort_clients_total{state=closed}"] == 9
+    assert m["fedatoms_round_reported_clients_total{state=closed}"] == 9
+    assert m["fedatoms_round_straggler_clients_total{state=closed}"] == 0
+    assert m["fedatoms_round_cohort_clients_total{state=abandoned}"] == 0

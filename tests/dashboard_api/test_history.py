@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from dashboard_helpers import BACKENDS, ROUNDS_CLOSED, Federation, database, run_federation
+from dashboard_helpers import BACKENDS, ROUNDS_CLOSED, Federation, LiveServer, database, metric_samples, run_federation
 from sqlalchemy import func, select
 
 from aggregator_service import store
@@ -64,3 +64,18 @@ def test_totals_still_count_every_byte(api: httpx.Client, federation: Federation
     assert (body["totals"]["bytes_down"], body["totals"]["bytes_up"]) == lifetime
     assert (sum(r["bytes_down"] for r in per_round), sum(r["bytes_up"] for r in per_round)) == lifetime
     assert [r["round"] for r in per_round] == list(range(1, ROUNDS_CLOSED + 2))
+
+
+def test_participation_counters_keep_the_pruned_rounds(api: httpx.Client, dashboard: LiveServer) -> None:
+    """The counters sum ``rounds``, which pruning keeps: rounds 1 and 2 lost their per-client rows, not their
+    counts. Every one of the three clients reported in each of the three closed rounds: 9 of 9."""
+    m = metric_samples(httpx.get(f"{dashboard.base_url}/metrics").text)
+    closed = api.get("/rounds?state=closed").json()["items"]
+    assert len(closed) == ROUNDS_CLOSED
+    for key, metric, expected in (
+        ("cohort_size", "cohort", 9),
+        ("reported", "reported", 9),
+        ("stragglers", "straggler", 0),
+    ):
+        assert m[f"fedatoms_round_{metric}_clients_total{{state=closed}}"] == expected == sum(r[key] for r in closed)
+    assert m["fedatoms_last_closed_round"] == ROUNDS_CLOSED

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from dashboard_helpers import LiveServer, new_federation, start_dashboard
-from prometheus_client.parser import text_string_to_metric_families
+from dashboard_helpers import LiveServer, metric_samples, new_federation, start_dashboard
 from support import postgres_base, postgres_schema, wait_until
 
 from aggregator_service import store
@@ -81,10 +80,6 @@ def blackhole() -> Iterator[Blackhole]:
     hole.close()
 
 
-def _samples(text: str) -> dict[str, float]:
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
-
-
 def test_a_locked_table_fails_the_scrape_within_the_bound_then_it_recovers() -> None:
     with postgres_schema(postgres_base()) as url:
         new_federation(url)
@@ -92,15 +87,15 @@ def test_a_locked_table_fails_the_scrape_within_the_bound_then_it_recovers() -> 
         holder = store.create_engine_for(url)
         try:
             with httpx.Client(base_url=live.base_url, timeout=ANSWERED_WITHIN) as http:
-                assert _samples(http.get("/metrics").text)["fedatoms_database_up"] == 1
+                assert metric_samples(http.get("/metrics").text)["fedatoms_database_up"] == 1
                 with holder.connect() as conn:
                     conn.exec_driver_sql("LOCK TABLE round_metrics IN ACCESS EXCLUSIVE MODE")  # held until rollback
                     r = http.get("/metrics")  # hung here, past any scrape timeout
                     assert r.status_code == 200
-                    m = _samples(r.text)
+                    m = metric_samples(r.text)
                     assert m["fedatoms_database_up"] == 0 and "fedatoms_federation_found" not in m
                     conn.rollback()
-                assert wait_until(lambda: _samples(http.get("/metrics").text)["fedatoms_database_up"] == 1, 30)
+                assert wait_until(lambda: metric_samples(http.get("/metrics").text)["fedatoms_database_up"] == 1, 30)
         finally:
             holder.dispose()
             live.stop()
@@ -116,7 +111,7 @@ def test_a_database_that_never_answers_fails_metrics_and_readiness_within_the_bo
     finally:
         live.stop()
     assert blackhole.accepted >= 1  # they did try that database
-    assert metrics.status_code == 200 and _samples(metrics.text)["fedatoms_database_up"] == 0
+    assert metrics.status_code == 200 and metric_samples(metrics.text)["fedatoms_database_up"] == 0
     assert ready.status_code == 503 and ready.json()["status"] == "unavailable"
     assert rest.status_code == 503 and "OperationalError" in rest.json()["detail"]
 
