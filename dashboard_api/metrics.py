@@ -65,6 +65,7 @@ class FederationCollector(Collector):
             return
         up.add_metric([], 1)
         yield up
+        yield from self._serving()
         found = GaugeMetricFamily(
             "fedatoms_federation_found",
             "1 when the database holds the federation the dashboard is configured for (federation_name); 0: a "
@@ -74,6 +75,20 @@ class FederationCollector(Collector):
         yield found
         if snap is not None:
             yield from _families(snap)
+
+    def _serving(self) -> Iterator[Metric]:
+        """Whether an aggregator holds the federation's lock: what tells a stopped aggregator from a quiet one."""
+        try:
+            with self._factory() as session:
+                served = store.federation_served(session.connection(), self._name)
+        except (SQLAlchemyError, OSError) as exc:  # the lock file unreadable, the lock query refused: say nothing
+            log.warning("metrics scrape could not tell whether an aggregator serves: %s", exc)
+            return
+        yield from _gauge(
+            "fedatoms_aggregator_serving",
+            "1 while an aggregator holds the federation's lock (it serves it); 0: none does, stopped or crashed",
+            1 if served else 0,
+        )
 
 
 def _gauge(name: str, doc: str, value: float | None, labels: dict[str, str] | None = None) -> Iterator[Metric]:

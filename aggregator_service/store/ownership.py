@@ -34,9 +34,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from sqlalchemy import text
-from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
@@ -181,25 +182,40 @@ def exclusive_federation(url: str, federation_name: str) -> Iterator[FederationL
         lock.engine.dispose()
 
 
-def federation_served(url: str, federation_name: str) -> bool:
-    """Whether an aggregator holds ``federation_name``'s lock on the database at ``url`` now; takes no lock.
+def federation_served(database: str | Engine | Connection, federation_name: str) -> bool:
+    """Whether an aggregator holds ``federation_name``'s lock on ``database`` (a URL, or an engine or connection
+    of the caller's, whose timeouts then bound the query) now; takes no lock.
 
     PostgreSQL: the advisory lock granted to some session in ``pg_locks``. SQLite: the ``fcntl`` lock on
     the lock file, tested with ``F_OFD_GETLK`` (without it, a ``flock`` probe let go at once; the aggregator's
     start retries briefly, so such a probe never makes it refuse to start). A memory database is private to
     its process: never served as far as another can tell.
     """
-    u = make_url(url)
+    u = make_url(database) if isinstance(database, str) else database.engine.url
     if u.get_backend_name() == "sqlite":
-        if u.database in (None, "", ":memory:"):
-            return False
-        return _file_served(_lock_path(Path(u.database), federation_name))
-    engine = create_engine_for(url, poolclass=NullPool)
+        path = _sqlite_path(u)
+        return False if path is None else _file_served(_lock_path(path, federation_name))
+    if isinstance(database, Connection):
+        return bool(database.execute(_PG_HELD, {"name": federation_name}).scalar())
+    engine = create_engine_for(database, poolclass=NullPool) if isinstance(database, str) else database
     try:
         with engine.connect() as conn:
             return bool(conn.execute(_PG_HELD, {"name": federation_name}).scalar())
     finally:
-        engine.dispose()
+        if isinstance(database, str):
+            engine.dispose()
+
+
+def _sqlite_path(u: URL) -> Path | None:
+    """The file a SQLite URL names, a URI filename (``file:…?mode=rw``, as the dashboard opens it) included;
+    ``None`` for a memory database."""
+    name = u.database
+    if name in (None, "", ":memory:"):
+        return None
+    if u.query.get("uri") and name.startswith("file:"):
+        parts = urlsplit(name)
+        return None if "mode=memory" in parts.query else Path(unquote(parts.path))
+    return Path(name)
 
 
 def _lock_path(database: Path, federation_name: str) -> Path:

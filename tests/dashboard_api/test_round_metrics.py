@@ -8,6 +8,10 @@ abandoned too (5 clients, none reported).
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -104,3 +108,44 @@ def test_before_any_round_closes_the_times_are_absent(tmp_path: Path) -> None:
     assert m["fedatoms_federation_found"] == 1 and m["fedatoms_last_closed_round"] == 0
     assert not any("timestamp_seconds" in k for k in m)
     assert m["fedatoms_round_cohort_clients_total{state=closed}"] == 0
+
+
+_HOLDER = """
+import sys, time
+from aggregator_service import store
+with store.exclusive_federation(sys.argv[1], "default"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_aggregator_that_dies_shows_as_not_serving(backend: str, tmp_path: Path) -> None:
+    """The rounds' rows look the same whether an aggregator waits between rounds or was killed: only the
+    federation's lock, which the kernel or PostgreSQL drops with its holder, tells them apart."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    with database(backend, tmp_path) as url:
+        new_federation(url)
+        live = start_dashboard(DashboardSettings(database_url=url))
+        holder = None
+        try:
+
+            def serving() -> float:
+                return metric_samples(httpx.get(f"{live.base_url}/metrics").text)["fedatoms_aggregator_serving"]
+
+            assert serving() == 0
+            holder = subprocess.Popen([sys.executable, "-c", _HOLDER, url], env=env, stdout=subprocess.PIPE, text=True)
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            assert serving() == 1
+            holder.kill()  # SIGKILL: no goodbye to the database
+            holder.wait(10)
+            deadline = time.monotonic() + 30
+            while serving() != 0:
+                assert time.monotonic() < deadline, "a killed aggregator still shows as serving"
+                time.sleep(0.2)
+        finally:
+            if holder is not None and holder.poll() is None:
+                holder.kill()
+                holder.wait(10)
+            live.stop()
