@@ -187,7 +187,8 @@ def _values_outside_state(net: nn.Module) -> str | None:
         skipped = sorted(module._non_persistent_buffers_set & {n for n, b in module._buffers.items() if b is not None})
         if skipped:
             return f"{where} has buffers {skipped} registered with persistent=False (computed where it is built)"
-        held = sorted(n for n, v in vars(module).items() if n not in _MODULE_REGISTRIES and _holds_tensor(v))
+        kept = _MODULE_REGISTRIES | (_RNN_KEPT if isinstance(module, nn.RNNBase) else frozenset())
+        held = sorted(n for n, v in vars(module).items() if n not in kept and _holds_tensor(v))
         if held:
             return f"{where} holds tensors in plain attributes {held} (neither parameters nor buffers)"
     return None
@@ -195,6 +196,8 @@ def _values_outside_state(net: nn.Module) -> str | None:
 
 #: the registries nn.Module keeps its parameters, buffers and submodules in: the state dict covers them
 _MODULE_REGISTRIES = frozenset({"_parameters", "_buffers", "_modules"})
+#: an RNN's list of its own weights, which ``RNNBase.__setattr__`` keeps in step as :func:`_allocate` sets them
+_RNN_KEPT = frozenset({"_flat_weights"})
 
 
 def _holds_tensor(value: Any, depth: int = 4) -> bool:

@@ -70,6 +70,19 @@ USER_NETS = textwrap.dedent(
             return self.head(h.mean(dim=(2, 3)))
 
 
+    class Recurrent(nn.Module):
+        '''An LSTM over a sequence of feature vectors: nn.LSTM keeps its weights in a list attribute too.'''
+
+        def __init__(self, num_classes=10):
+            super().__init__()
+            self.rnn = nn.LSTM(3, 8, batch_first=True)
+            self.head = nn.Linear(8, num_classes)
+
+        def forward(self, x):
+            out, _ = self.rnn(x)
+            return self.head(out[:, -1])
+
+
     BUILDS = []
 
 
@@ -225,6 +238,19 @@ def test_the_build_rule_is_decided_once_per_spec(user_nets, persistent: bool, bu
     assert build_loaded_nets.BUILDS == builds
     assert len({id(m) for m in models}) == 3  # a fresh module each time
     assert_same_function(spec, old_build(spec, state), models[-1])
+
+
+@pytest.mark.parametrize("factorization", ["none", "lowrank"])
+def test_an_rnn_loads_lean_and_computes_with_its_loaded_weights(user_nets, caplog, factorization: str) -> None:
+    """nn.LSTM lists its weights in ``_flat_weights``, which its own ``__setattr__`` keeps in step: no reason for
+    the whole build, and the forward must read the loaded weights, not the meta ones."""
+    spec = ModelSpec("build_loaded_nets:Recurrent", 10, factorization, input_shape=(5, 3))
+    state = fetched_state(spec, seed=7)
+    with caplog.at_level(logging.INFO, logger="fedcore.spec"):
+        new = spec.build_loaded(state)
+    assert not [r for r in caplog.records if "built whole" in r.getMessage()]
+    assert all(w.device.type == "cpu" for w in new.rnn._flat_weights)
+    assert_same_function(spec, old_build(spec, state), new)
 
 
 def test_tied_parameters_stay_tied(user_nets) -> None:
