@@ -28,7 +28,7 @@ from client_agent.update import ClientEvaluation
 from fedatoms.engines import ENGINES
 from fedatoms.engines.local import LocalClients, account
 from fedatoms.records import TOTALS, accumulate, mean_or_none, summarize
-from fedcore.data import INPUT_SHAPES, NUM_CLASSES, num_classes_of
+from fedcore.data import INPUT_SHAPES, NUM_CLASSES, check_labels, num_classes_of
 from fedcore.datasource import describe, open_data
 from fedcore.model_file import write_model_file
 from fedcore.model_input import Normalization, fit_to_model
@@ -52,9 +52,12 @@ class SimulationConfig(FederationConfig):
     """A federation plus its simulated population; the same keys work as CLI flags and in a TOML file."""
 
     model: str | None = None  # type: ignore[assignment]  # default: DEFAULT_MODELS[dataset]
+    # unset: model_args' num_classes, else the data's (a folder per class, else the largest training label + 1),
+    # else the benchmark's; set, it is kept (a head wider than the labels seen) and the data is checked against it
+    num_classes: int | None = None  # type: ignore[assignment]
     dataset: str = "digits"
     # an ImageFolder directory or an import reference module:function (a bundled name sets dataset instead);
-    # the data's classes set num_classes, and images are fitted to the model's input
+    # images are fitted to the model's input
     data: str | None = None
     data_dir: str | None = None
     download: bool = False
@@ -79,16 +82,19 @@ class SimulationConfig(FederationConfig):
     def __post_init__(self) -> None:
         if self.data is not None and describe(self.data) == "bundled":
             self.dataset, self.data = self.data.lower(), None
+        declared = self.model_args.get("num_classes") if isinstance(self.model_args, dict) else None
+        if self.num_classes is None and isinstance(declared, int) and not isinstance(declared, bool):
+            self.num_classes = declared  # the model's head says how many classes it scores
         if self.data is not None:
             if self.model is None:
                 raise ValueError(f"--data {self.data} needs --model: the model that takes these images")
-            self.num_classes = num_classes_of(open_data(self.data)[0])
+            self.num_classes = _data_classes(self.data, self.num_classes)
         else:
             if self.model is None:
                 if self.dataset not in DEFAULT_MODELS:
                     raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DEFAULT_MODELS)}")
                 self.model = DEFAULT_MODELS[self.dataset]
-            self.num_classes = NUM_CLASSES.get(self.dataset, self.num_classes)
+            self.num_classes = _benchmark_classes(self.dataset, self.num_classes)
             expected = INPUT_SHAPES.get(self.dataset)
             if expected is not None and not is_zoo(self.model) and self.input_shape is None:
                 self.input_shape = list(expected)  # a reference model takes the dataset's images as they are
@@ -167,6 +173,36 @@ class SimulationConfig(FederationConfig):
             input_shape=None if self.data is None else self.spec.input_shape,
             normalization=self.normalization,
         )
+
+
+def _data_classes(data: str, num_classes: int | None) -> int:
+    """``--data``'s classes: ``num_classes`` when set, refused in one line if a training label cannot be one of
+    them; unset, the data's own count (its class folders, else its largest training label + 1)."""
+    train = open_data(data)[0]
+    found = num_classes_of(train)
+    if num_classes is None:
+        return found
+    if found > num_classes:
+        raise ValueError(
+            f"--data {data} has the training label {found - 1} but num_classes = {num_classes}: labels are class "
+            f"indices 0..{num_classes - 1}; set num_classes to at least {found} (--num-classes, num_classes in the "
+            "TOML, and the model's own in model_args), or leave both unset to take the data's"
+        )
+    check_labels(train, num_classes)  # negative labels; an ImageFolder's named folders
+    return num_classes
+
+
+def _benchmark_classes(dataset: str, num_classes: int | None) -> int:
+    """A benchmark's classes, or ``num_classes`` when set to a head at least that wide."""
+    known = NUM_CLASSES.get(dataset)
+    if num_classes is None:
+        return known if known is not None else 10
+    if known is not None and num_classes < known:
+        raise ValueError(
+            f"{dataset} has {known} classes but num_classes = {num_classes}: set num_classes to at least {known} "
+            "(--num-classes, num_classes in the TOML, and the model's own in model_args), or leave both unset"
+        )
+    return num_classes
 
 
 def build_federation(config: SimulationConfig) -> Federation:

@@ -92,6 +92,12 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
         "or an import reference package.module:callable, e.g. torchvision.models:resnet18",
     )
     g.add_argument(
+        "--num-classes",
+        type=int,
+        help="the model's classes, kept even when the training labels use fewer (a vocabulary-sized head) "
+        "[model_args' num_classes, else the data's: its class folders or largest label + 1, else the dataset's]",
+    )
+    g.add_argument(
         "--model-args", type=_json_table, help="keyword arguments of --model as JSON, e.g. '{\"num_classes\": 10}'"
     )
     g.add_argument(
