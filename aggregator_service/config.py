@@ -34,7 +34,7 @@ from aggregator_service.update_bounds import UpdateBounds
 from fedcore.data import benchmark_normalization
 from fedcore.datasource import describe
 from fedcore.model_input import Normalization
-from fedcore.spec import ModelSpec
+from fedcore.spec import ModelSpec, check_tiers_cut
 from fedcore.tiers import TIERS
 from fedcore.training import TrainConfig
 from fedcore.training.nested import TIER_TRAININGS
@@ -217,6 +217,7 @@ class FederationConfig:
             )
         for tier in self.tiers:  # model, classes, factorization, atoms and each tier's forward pass fail now
             self.spec.at_tier(tier).check_forward()
+        check_tiers_cut(self.spec, self.tiers)  # a tier below 1 that cuts nothing would be the full model
         build_strategy(self.strategy, **self.strategy_params(num_clients_total=1))  # bad arguments fail now
         if self.normalization is not None:
             norm = Normalization.from_dict(self.normalization)

@@ -21,7 +21,16 @@ import torch
 from torch import Tensor, nn
 
 from fedcore.activations import saved_bytes_per_sample
-from fedcore.convert import FACTORIZATIONS, Factorization, check_full_rank_share, factorize, head_name
+from fedcore.convert import (
+    FACTORIZATIONS,
+    FULL_RANK_ATTRIBUTE,
+    Factorization,
+    check_full_rank_share,
+    factorizable_conv,
+    factorize,
+    full_rank_layers,
+    head_name,
+)
 from fedcore.factorize import load_from_plain
 from fedcore.layers import (
     AtomConv2d,
@@ -43,6 +52,7 @@ __all__ = [
     "ROLES",
     "ModelSpec",
     "TensorSpec",
+    "check_tiers_cut",
     "count_macs",
     "factored_matrix",
     "pair_v",
@@ -277,7 +287,65 @@ def _derive(spec: ModelSpec) -> tuple:
             "with a square kernel > 1, groups = 1 and zero padding): the federation would be plain FedAvg; "
             "use factorization 'none'"
         )
+    if not any(t.role in FACTOR_ROLES or t.role in ("atoms", "coefficients") for t in tensors):
+        _refuse_nothing_to_factorize(spec, net)  # tier 1 of lowrank holds no factors: any layer at a lower one?
     return tuple(tensors), params
+
+
+_LOW_RANK_KINDS = ("lowrank", "atoms-lowrank")
+
+
+def _refuse_nothing_to_factorize(spec: ModelSpec, net: nn.Module) -> None:
+    """``lowrank`` and ``atoms-lowrank`` on a model (still plain: nothing was replaced) none of whose layers they
+    would factorize at any tier: named with why each was passed over, since the federation would be plain FedAvg
+    under a factorization's name (and its tiers below 1 would train the full model)."""
+    if spec.factorization not in _LOW_RANK_KINDS:
+        return
+    head = head_name(net, spec.head)
+    keep = full_rank_layers(net, spec.full_rank, spec.full_rank_share, head)
+    if spec.full_rank is not None:
+        kept = f"kept full rank by full_rank {list(spec.full_rank)}"
+    elif getattr(net, FULL_RANK_ATTRIBUTE, None) is not None:
+        kept = f"kept full rank by the model's {FULL_RANK_ATTRIBUTE}"
+    else:
+        kept = f"kept full rank as the stem or by full_rank_share {spec.full_rank_share:g}"
+    looked = []
+    for name, m in net.named_modules():
+        if name == head:
+            looked.append(f"{name} (the head, kept whole)")
+        elif factorizable_conv(m) or type(m) is nn.Linear:
+            if name not in keep:
+                return  # a layer the tiers below 1 factorize
+            looked.append(f"{name} ({kept})")
+        elif isinstance(m, nn.modules.conv._ConvNd):
+            looked.append(
+                f"{name} (a {type(m).__name__}: only an nn.Conv2d with a square kernel > 1, groups = 1 "
+                "and zero padding is factorized)"
+            )
+    layers = "; ".join(looked[:8]) + ("; …" if len(looked) > 8 else "") if looked else "no conv or linear"
+    raise ValueError(
+        f"factorization {spec.factorization!r} finds nothing of model {spec.model!r} to factorize at any tier "
+        f"(it factors nn.Conv2d and body nn.Linear layers; recurrent, embedding, attention and norm layers stay "
+        f"whole): it looked at {layers}. The federation would be plain FedAvg and every tier the full model; "
+        "use factorization 'none'"
+    )
+
+
+def check_tiers_cut(spec: ModelSpec, tiers: Sequence[float]) -> None:
+    """A federation's factorization must factorize something (:func:`_derive`), and its tiers below 1 must cut
+    some tensor: where every layer's factors at rank γ·c_out would be no smaller than the
+    layer, each such tier silently trains the full model (and its bytes are FedAvg's)."""
+    full = [(t.name, t.shape) for t in spec.tensors]  # a factorization with nothing to factorize is refused here
+    low = sorted({t for t in tiers if t < 1.0}, reverse=True)
+    if not low or spec.factorization not in _LOW_RANK_KINDS:
+        return
+    if all([(t.name, t.shape) for t in spec.at_tier(tier).tensors] == full for tier in low):
+        raise ValueError(
+            f"tiers {', '.join(f'{t:g}' for t in low)} cut no tensor of model {spec.model!r} under factorization "
+            f"{spec.factorization!r}: its factorizable layers' factors at those ranks would be no smaller than the "
+            "layers, so every tier would train the full model; use tiers = [1] (and factorization 'none' if "
+            "nothing else is factorized)"
+        )
 
 
 @cache
