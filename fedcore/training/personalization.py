@@ -25,12 +25,16 @@ local     Local-only: every client trains its own model from round     everythin
 The *head* is the model's last Linear, named ``head`` in every model of the zoo (its tensors
 have role ``head`` in the :class:`~fedcore.spec.ModelSpec`); the *body* is everything else,
 BN statistics included. Server and client call :func:`personal_tensors` on the same spec, so
-both agree on what is never aggregated and never travels.
+both agree on what is never aggregated and never travels. A split that would put one tied parameter
+(``head.weight = embed.weight``) both in the personal and in the averaged part is refused by name: the
+averaged copy would overwrite the personal one every round.
 """
 
 from __future__ import annotations
 
-from fedcore.spec import ModelSpec
+from functools import cache
+
+from fedcore.spec import ModelSpec, _meta_module
 
 __all__ = ["PERSONALIZATIONS", "SPLITS", "personal_tensors"]
 
@@ -60,6 +64,30 @@ def personal_tensors(spec: ModelSpec, method: str) -> tuple[str, ...]:
             f"personalization {method!r} splits the model at its head (its last nn.Linear, or the module "
             f"[federation] head names); {spec.describe()} has no nn.Linear: name its head"
         )
-    if method in ("fedper", "fedrep"):
-        return head
-    return tuple(t.name for t in spec.tensors if t.role != "head")
+    personal = head if method in ("fedper", "fedrep") else tuple(t.name for t in spec.tensors if t.role != "head")
+    _refuse_split_ties(spec, method, personal)
+    return personal
+
+
+@cache
+def _tied_names(spec: ModelSpec) -> tuple[tuple[str, ...], ...]:
+    """The names of each parameter the model holds under more than one name (tied weights, a reused module)."""
+    paths: dict[int, list[str]] = {}
+    for module_name, module in _meta_module(spec).named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for pname, p in module.named_parameters(recurse=False):
+            paths.setdefault(id(p), []).append(prefix + pname)
+    return tuple(tuple(dict.fromkeys(names)) for names in paths.values() if len(set(names)) > 1)
+
+
+def _refuse_split_ties(spec: ModelSpec, method: str, personal: tuple[str, ...]) -> None:
+    kept = set(personal)
+    for names in _tied_names(spec):
+        mine = [n for n in names if n in kept]
+        shared = [n for n in names if n not in kept and n in spec.names]
+        if mine and shared:
+            raise ValueError(
+                f"personalization {method!r} keeps {', '.join(mine)} on each client, but it is one tied parameter "
+                f"with {', '.join(shared)}, which is averaged every round: the personal part would not be personal; "
+                "untie them in the model, or use a personalization that keeps both or neither (ft, ditto, local)"
+            )
