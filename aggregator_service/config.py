@@ -95,6 +95,8 @@ class FederationConfig:
     head: str | None = None
     #: One input sample's shape, e.g. [3, 32, 32]; the zoo knows its own, a reference needs it.
     input_shape: list[int] | None = None
+    #: The dtype the model takes: "float32" (images, features) or "int64"/"int32" (token ids for an nn.Embedding).
+    input_dtype: str = "float32"
     tiers: list[float] = field(default_factory=lambda: [1.0])
     fraction: float = 0.5
     min_clients: int = 1
@@ -219,6 +221,11 @@ class FederationConfig:
             self.spec.at_tier(tier).check_forward()
         check_tiers_cut(self.spec, self.tiers)  # a tier below 1 that cuts nothing would be the full model
         build_strategy(self.strategy, **self.strategy_params(num_clients_total=1))  # bad arguments fail now
+        if self.normalization is not None and self.spec.integer_inputs:
+            raise ValueError(
+                f'normalization (mean/std per channel) applies to images; input_dtype = "{self.input_dtype}" inputs '
+                "(token ids) are never normalized: leave normalization unset"
+            )
         if self.normalization is not None:
             norm = Normalization.from_dict(self.normalization)
             channels = self.spec.input_shape[0]
@@ -273,6 +280,8 @@ class FederationConfig:
         for key in _OPTIONAL_MODEL_KEYS:
             if not d[key]:
                 del d[key]
+        if d["input_dtype"] == "float32":
+            del d["input_dtype"]  # stored configs of float models read as they always did
         return d
 
     @property
@@ -440,6 +449,7 @@ def model_spec(config: Any) -> ModelSpec:
         head=config.head,
         input_shape=None if config.input_shape is None else tuple(config.input_shape),
         full_rank_share=float(config.full_rank_share),
+        input_dtype=str(getattr(config, "input_dtype", "float32")),
     )
 
 

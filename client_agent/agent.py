@@ -241,7 +241,9 @@ class Agent:
         given = None if creds.normalization is None else Normalization.from_dict(creds.normalization)
         if needs_fitting(self.train_data):
             log.info("event=fitting_data samples=%d input=%s", len(self.train_data), _shape(self.spec.input_shape))
-        train, test, used = fit_to_model(self.train_data, self.test_data, self.spec.input_shape, given)
+        train, test, used = fit_to_model(
+            self.train_data, self.test_data, self.spec.input_shape, given, input_dtype=self.spec.input_dtype
+        )
         check_labels(train, self.spec.num_classes)
         if test is not None:
             check_labels(test, self.spec.num_classes)

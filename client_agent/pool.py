@@ -118,6 +118,7 @@ class Population:
     seed: int
     input_shape: tuple[int, ...] | None = None  # None: the data stay as loaded (an agent fits them after Register)
     normalization: dict[str, list[float]] | None = None
+    input_dtype: str = "float32"  # the model's (ModelSpec.input_dtype): integer token ids are never normalized
 
     def build(self, fit: Sequence[int] | None = None) -> list[VirtualClient]:
         """Every virtual client; the data of those in ``fit`` (default all) made the model's input."""
@@ -130,7 +131,9 @@ class Population:
             given = None if self.normalization is None else Normalization.from_dict(self.normalization)
             for i in range(len(clients)) if only is None else only:
                 vc = clients[i]
-                vc.train, vc.test, _ = fit_to_model(vc.train, vc.test, self.input_shape, given)
+                vc.train, vc.test, _ = fit_to_model(
+                    vc.train, vc.test, self.input_shape, given, input_dtype=self.input_dtype
+                )
         return clients
 
     def clients(self, train: Dataset, test: Dataset | None) -> list[VirtualClient]:

@@ -171,6 +171,7 @@ class SimulationConfig(FederationConfig):
             self.dirichlet_alpha,
             self.seed,
             input_shape=None if self.data is None else self.spec.input_shape,
+            input_dtype=self.spec.input_dtype,
             normalization=self.normalization,
         )
 
@@ -292,7 +293,7 @@ def _run(
     pool = _client_engine(config, train, test)
     if config.population().input_shape is not None:  # the server's test split, normalized as eval_data is
         given = None if config.normalization is None else Normalization.from_dict(config.normalization)
-        test, _, _ = fit_to_model(test, None, config.population().input_shape, given)
+        test, _, _ = fit_to_model(test, None, config.population().input_shape, given, input_dtype=config.input_dtype)
     train_config = config.train_config(device=config.device)
     fedavg_bytes = fedavg_transfer_bytes(config.spec)  # each transfer's FedAvg-equivalent
     records: list[dict[str, Any]] = []

@@ -36,9 +36,11 @@ from torch import Tensor, nn
 __all__ = ["saved_bytes", "saved_bytes_per_sample"]
 
 
-def saved_bytes(model: nn.Module, input_shape: tuple[int, ...], batch: int) -> int:
-    """Bytes of the distinct storages autograd saves in one forward pass and loss of ``batch`` samples,
-    the model's own parameters and buffers left out (works on the meta device)."""
+def saved_bytes(
+    model: nn.Module, input_shape: tuple[int, ...], batch: int, input_dtype: torch.dtype = torch.float32
+) -> int:
+    """Bytes of the distinct storages autograd saves in one forward pass and loss of ``batch`` samples of
+    ``input_dtype``, the model's own parameters and buffers left out (works on the meta device)."""
     device = next(iter(model.parameters())).device
     own = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
     saved: dict[int, int] = {}
@@ -51,18 +53,21 @@ def saved_bytes(model: nn.Module, input_shape: tuple[int, ...], batch: int) -> i
         return t
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(torch.zeros(batch, *input_shape, device=device))
+        logits = model(torch.zeros(batch, *input_shape, dtype=input_dtype, device=device))
         F.cross_entropy(logits, torch.zeros(batch, dtype=torch.long, device=device))
     return sum(n for key, n in saved.items() if key not in own)
 
 
-def saved_bytes_per_sample(model: nn.Module, input_shape: tuple[int, ...]) -> tuple[int, int]:
+def saved_bytes_per_sample(
+    model: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype = torch.float32
+) -> tuple[int, int]:
     """``(bytes per sample, bytes per batch)`` autograd saves in a training step: a batch of ``b`` samples
     keeps ``b × per sample + per batch``. The model's mode is left as it was."""
     was_training = model.training
     model.train()
     try:
-        two, four = saved_bytes(model, input_shape, 2), saved_bytes(model, input_shape, 4)
+        two = saved_bytes(model, input_shape, 2, input_dtype)
+        four = saved_bytes(model, input_shape, 4, input_dtype)
     finally:
         model.train(was_training)
     per_sample = max(0, (four - two) // 2)

@@ -79,6 +79,8 @@ def evaluation_set(
     num_classes: int,
     normalization: Normalization | None = None,
     data_dir: str | Path | None = None,
+    *,
+    input_dtype: str = "float32",
 ) -> Any:
     """The test split of ``text`` ready for the model: what the server (``eval_data``) evaluates after a round.
 
@@ -92,7 +94,7 @@ def evaluation_set(
         raise DataSourceError(f"eval_data {text!r} has no test split to evaluate on")
     try:
         check_labels(test, num_classes)
-        fitted, _, _ = fit_to_model(test, None, input_shape, normalization, first="evaluation")
+        fitted, _, _ = fit_to_model(test, None, input_shape, normalization, first="evaluation", input_dtype=input_dtype)
     except ValueError as exc:
         raise DataSourceError(f"eval_data {text!r}: {exc}") from None
     return fitted

@@ -17,18 +17,20 @@ from torch.utils.flop_counter import FlopCounterMode
 __all__ = ["count_macs"]
 
 
-def _flops(model: nn.Module, input_shape: tuple[int, ...], batch: int, device: torch.device) -> int:
+def _flops(model: nn.Module, input_shape: tuple[int, ...], batch: int, device: torch.device, dtype: torch.dtype) -> int:
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        model(torch.zeros(batch, *input_shape, device=device))
+        model(torch.zeros(batch, *input_shape, dtype=dtype, device=device))
     return int(counter.get_total_flops())
 
 
-def count_macs(model: nn.Module, input_shape: tuple[int, ...]) -> int:
-    """Forward multiply-accumulates of one sample of ``input_shape`` (works on the meta device)."""
+def count_macs(model: nn.Module, input_shape: tuple[int, ...], input_dtype: torch.dtype = torch.float32) -> int:
+    """Forward multiply-accumulates of one sample of ``input_shape`` in ``input_dtype`` (zeros: token id 0 for
+    an integer model), on the model's device (works on the meta device)."""
     was_training = model.training
     model.eval()  # BatchNorm in training mode refuses a single sample
     try:
         device = next(iter(model.parameters())).device
-        return (_flops(model, input_shape, 2, device) - _flops(model, input_shape, 1, device)) // 2
+        two = _flops(model, input_shape, 2, device, input_dtype)
+        return (two - _flops(model, input_shape, 1, device, input_dtype)) // 2
     finally:
         model.train(was_training)

@@ -8,7 +8,9 @@ deviation of this party's own training images, computed by streaming over them o
 (:func:`channel_stats`: float64 sums, never the whole set in memory).
 
 Datasets whose items are already tensors (bundled benchmarks, a reference that applies its own
-transforms) are used as they are; only their shape is checked against the model.
+transforms) are used as they are; only their shape and dtype are checked against the model. A model of
+integer inputs (``input_dtype`` ``int64``/``int32``: token ids for an ``nn.Embedding``) takes tensors of
+integers as they are: no images, no normalization.
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from fedcore.data import ArrayDataset, known_labels
 
-__all__ = ["FittedImages", "Normalization", "channel_stats", "fit_to_model", "image_transform", "needs_fitting"]
+__all__ = [
+    "FittedImages",
+    "Normalization",
+    "channel_stats",
+    "check_input_dtype",
+    "fit_to_model",
+    "image_transform",
+    "needs_fitting",
+]
 
 
 @dataclass(frozen=True)
@@ -139,21 +149,49 @@ def channel_stats(data: Any, input_shape: Sequence[int], *, batch_size: int = 25
     return Normalization(tuple(mean.tolist()), tuple(std.tolist()))
 
 
-def _check_ready(name: str, data: Any, input_shape: Sequence[int]) -> None:
+#: The integer dtypes a model of integer ``input_dtype`` accepts as its inputs (what ``nn.Embedding`` looks up).
+_ID_DTYPES = (torch.int64, torch.int32)
+
+
+def _check_ready(name: str, data: Any, input_shape: Sequence[int], input_dtype: str = "float32") -> None:
     x = data.x[0] if isinstance(data, ArrayDataset) else data[0][0]
     if tuple(x.shape) != tuple(input_shape):
         hint = (
             f"the {data.name} dataset's images do not fit this federation's model; train on data shaped for it"
             if isinstance(data, ArrayDataset)
             else "return PIL images to have fedatoms resize them, or transform to the model's input shape"
+            if input_dtype == "float32"
+            else "give every sample the model's input shape (e.g. token ids padded or cut to one length)"
         )
         raise ValueError(
             f"the {name} inputs have shape {tuple(x.shape)} but the model takes {tuple(input_shape)}: {hint}"
         )
-    if not x.is_floating_point():
+    check_input_dtype(name, x.dtype, input_dtype)
+
+
+def check_input_dtype(name: str, dtype: torch.dtype, input_dtype: str) -> None:
+    """Refuse, in words, inputs of ``dtype`` for a model whose ``ModelSpec.input_dtype`` is ``input_dtype``: a
+    float model takes floating-point inputs, an integer one (token ids for an ``nn.Embedding``) int64 or int32."""
+    if input_dtype == "float32":
+        if dtype.is_floating_point:
+            return
+        if dtype in _ID_DTYPES:
+            raise ValueError(
+                f"the {name} inputs are {dtype} tensors but the model takes floating-point inputs (input_dtype = "
+                f'"float32"): for token ids set input_dtype = "{str(dtype).removeprefix("torch.")}" (a federation '
+                "file's [federation], --input-dtype for simulate); for images, torchvision's ToTensor scales uint8 "
+                "to [0, 1], or return PIL images to have fedatoms convert them"
+            )
         raise ValueError(
-            f"the {name} inputs are {x.dtype} tensors: the model takes floating-point inputs (torchvision's "
-            "ToTensor scales uint8 images to [0, 1]), or return PIL images to have fedatoms convert them"
+            f"the {name} inputs are {dtype} tensors: the model takes floating-point inputs (input_dtype = "
+            '"float32"; torchvision\'s ToTensor scales uint8 images to [0, 1]), or return PIL images to have '
+            "fedatoms convert them"
+        )
+    if dtype not in _ID_DTYPES:
+        raise ValueError(
+            f"the {name} inputs are {dtype} tensors but the model takes integer inputs (input_dtype = "
+            f'"{input_dtype}"): give token ids as int64 (or int32) tensors (e.g. torch.tensor(ids, dtype=torch.long)),'
+            ' or set input_dtype = "float32" for a model of floating-point inputs'
         )
 
 
@@ -164,20 +202,34 @@ def fit_to_model(
     normalization: Normalization | None = None,
     *,
     first: str = "training",
+    input_dtype: str = "float32",
 ) -> tuple[Any, Any, Normalization | None]:
     """``(train, test, normalization used)`` ready for the model; image datasets get the default transforms.
 
     ``normalization`` ``None``: computed from ``train`` (:func:`channel_stats`); datasets of tensors are
     returned as they are (the normalization used is then ``None``: theirs, unknown to fedatoms). ``first``
-    names ``train`` in errors (the server's evaluation set is fitted alone, as ``train``).
+    names ``train`` in errors (the server's evaluation set is fitted alone, as ``train``). ``input_dtype`` is
+    the model's (:attr:`fedcore.spec.ModelSpec.input_dtype`): an integer model (token ids) takes tensors of
+    integers as they are, never images and never a normalization.
     """
+    integer = input_dtype != "float32"
+    if integer and normalization is not None:
+        raise ValueError(
+            f"a normalization (mean/std per channel) applies to images; the model takes {input_dtype} inputs "
+            f'(input_dtype = "{input_dtype}", token ids), which are never normalized: leave normalization unset'
+        )
     if not needs_fitting(train):
         for name, ds in ((first, train), ("test", test)):
             if ds is not None and len(ds):
                 if needs_fitting(ds):
                     raise ValueError("the training set gives tensors but the test set gives images: give both alike")
-                _check_ready(name, ds, input_shape)
+                _check_ready(name, ds, input_shape, input_dtype)
         return train, test, None
+    if integer:
+        raise ValueError(
+            f'the {first} set gives images but the model takes {input_dtype} inputs (input_dtype = "{input_dtype}", '
+            "token ids): give tensors of integer ids of the model's input shape, or a float32 model for images"
+        )
     if test is not None and len(test) and not needs_fitting(test):
         raise ValueError("the training set gives images but the test set gives tensors: give both alike")
     used = normalization if normalization is not None else channel_stats(train, input_shape)

@@ -49,6 +49,7 @@ from fedcore.reference import build_reference, canonical, is_zoo
 
 __all__ = [
     "FACTOR_ROLES",
+    "INPUT_DTYPES",
     "ROLES",
     "ModelSpec",
     "TensorSpec",
@@ -56,6 +57,7 @@ __all__ = [
     "count_macs",
     "factored_matrix",
     "pair_v",
+    "probe_input",
     "tensor_from_matrix",
     "tensor_roles",
 ]
@@ -80,6 +82,8 @@ FACTOR_ROLES = {
     "lowrank_u": "weight",
     "lowrank_v": "weight",
 }
+#: The dtypes a model's input may have (``ModelSpec.input_dtype``): floats (images, features) or token ids.
+INPUT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "int64": torch.int64, "int32": torch.int32}
 _SPEC_KEYS = frozenset(
     {
         "model",
@@ -92,6 +96,7 @@ _SPEC_KEYS = frozenset(
         "full_rank_share",
         "head",
         "input_shape",
+        "input_dtype",
         "tensors",
     }
 )
@@ -358,7 +363,7 @@ def _forward_facts(spec: ModelSpec) -> int:
     """
     net = _meta_module(spec)
     _check_outputs(spec, net)
-    return count_macs(net, spec.input_shape)  # type: ignore[arg-type]  # __post_init__ set input_shape
+    return count_macs(net, spec.input_shape, spec.torch_input_dtype)  # type: ignore[arg-type]  # __post_init__ set input_shape
 
 
 @cache
@@ -367,20 +372,34 @@ def _activation_facts(spec: ModelSpec) -> tuple[int, int]:
     (:func:`fedcore.activations.saved_bytes_per_sample`), on the meta device like the MACs."""
     net = _meta_module(spec)
     _check_outputs(spec, net)  # a model that cannot take its input fails here with the shape tried
-    return saved_bytes_per_sample(net, spec.input_shape)  # type: ignore[arg-type]  # __post_init__ set input_shape
+    return saved_bytes_per_sample(net, spec.input_shape, spec.torch_input_dtype)  # type: ignore[arg-type]  # as above
+
+
+def probe_input(spec: ModelSpec, batch: int, device: str | torch.device = "meta") -> Tensor:
+    """A batch of ``batch`` zero samples as the model takes them: ``input_shape`` in ``input_dtype`` (token
+    id 0 for an integer model), what every probe of the model (outputs, MACs, saved bytes) feeds it."""
+    return torch.zeros(batch, *spec.input_shape, dtype=spec.torch_input_dtype, device=device)  # type: ignore[misc]  # __post_init__ set input_shape
 
 
 def _check_outputs(spec: ModelSpec, net: nn.Module) -> None:
-    """A forward pass of ``input_shape`` must give ``num_classes`` logits, in training mode as in evaluation
-    mode (some models return auxiliary outputs only while training), or training would fail mid-round."""
+    """A forward pass of ``input_shape`` (in ``input_dtype``) must give ``num_classes`` logits, in training mode
+    as in evaluation mode (some models return auxiliary outputs only while training), or training would fail
+    mid-round."""
     for mode in ("eval", "train"):
         net.train(mode == "train")
         try:
             with torch.no_grad():  # two samples: train-mode BatchNorm cannot normalize one
-                out = net(torch.zeros(2, *spec.input_shape, device="meta"))  # type: ignore[misc]  # as above
+                out = net(probe_input(spec, 2))
         except Exception as exc:  # any failure of a user's forward is reported with the shape tried
+            hint = (
+                ' (token ids for an nn.Embedding: input_dtype = "int64" in a federation file\'s [federation], '
+                "--input-dtype int64 for simulate)"
+                if spec.input_dtype == "float32" and _wants_integers(exc)
+                else ""
+            )
             raise ValueError(
-                f"model {spec.model!r} cannot take inputs of shape {list(spec.input_shape)} in {mode} mode: {exc}"  # type: ignore[arg-type]  # as above
+                f"model {spec.model!r} cannot take inputs of shape {list(spec.input_shape)} ({spec.input_dtype}) "  # type: ignore[arg-type]  # as above
+                f"in {mode} mode: {exc}{hint}"
             ) from exc
         if not isinstance(out, Tensor):
             raise ValueError(
@@ -397,6 +416,12 @@ def _check_outputs(spec: ModelSpec, net: nn.Module) -> None:
     net.eval()
 
 
+def _wants_integers(exc: BaseException) -> bool:
+    """Whether a forward pass failed for want of integer inputs (an ``nn.Embedding`` given floats)."""
+    text = str(exc)
+    return "Long" in text and ("indices" in text or "Int" in text)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Architecture + factorization + tier; everything else is derived, identically everywhere.
@@ -405,7 +430,9 @@ class ModelSpec:
     ``model_args``; ``full_rank`` (module-name patterns) and ``head`` override the walker's
     rules (:mod:`fedcore.convert`), and ``full_rank_share`` is its rule for the leading layers kept
     full rank (0, the stem only, is what a spec written without the key meant); ``input_shape`` is
-    one sample's ``(C, H, W)`` (the zoo knows its own; a reference needs it).
+    one sample's ``(C, H, W)`` (the zoo knows its own; a reference needs it) and ``input_dtype`` the
+    dtype the model takes (:data:`INPUT_DTYPES`: ``float32`` for images and features, ``int64`` or ``int32``
+    for token ids an ``nn.Embedding`` looks up).
     """
 
     model: str
@@ -418,6 +445,7 @@ class ModelSpec:
     head: str | None = None
     input_shape: tuple[int, ...] | None = None
     full_rank_share: float = 0.0
+    input_dtype: str = "float32"
     _args: str = field(default="{}", init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -445,6 +473,20 @@ class ModelSpec:
         if zoo_shape is not None and shape != zoo_shape:
             raise ValueError(f"zoo model {self.model!r} takes inputs {list(zoo_shape)}, not {list(shape)}")
         object.__setattr__(self, "input_shape", shape)
+        if self.input_dtype not in INPUT_DTYPES:
+            raise ValueError(f"input_dtype must be one of {', '.join(INPUT_DTYPES)}, got {self.input_dtype!r}")
+        if zoo_shape is not None and self.input_dtype != "float32":
+            raise ValueError(f"zoo model {self.model!r} takes float32 inputs (images), not {self.input_dtype}")
+
+    @property
+    def torch_input_dtype(self) -> torch.dtype:
+        """``input_dtype`` as a torch dtype."""
+        return INPUT_DTYPES[self.input_dtype]
+
+    @property
+    def integer_inputs(self) -> bool:
+        """Whether the model takes integer inputs (token ids), not floating-point ones."""
+        return not self.torch_input_dtype.is_floating_point
 
     # -- derived facts
     def _derived(self) -> tuple:
@@ -586,6 +628,8 @@ class ModelSpec:
             data["head"] = self.head
         if not is_zoo(self.model):
             data["input_shape"] = list(self.input_shape or ())
+        if self.input_dtype != "float32":
+            data["input_dtype"] = self.input_dtype
         data["tensors"] = [{**asdict(t), "shape": list(t.shape)} for t in self.tensors]
         return data
 
@@ -618,6 +662,7 @@ class ModelSpec:
             head=data.get("head"),
             input_shape=None if data.get("input_shape") is None else tuple(data["input_shape"]),
             full_rank_share=float(data.get("full_rank_share", 0.0)),
+            input_dtype=str(data.get("input_dtype", "float32")),
         )
         if "tensors" in data:
             sent = [TensorSpec(**{**t, "shape": tuple(t["shape"])}) for t in data["tensors"]]

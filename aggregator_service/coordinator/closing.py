@@ -68,6 +68,7 @@ def load_eval_data(settings: AggregatorSettings) -> Any:
         settings.federation.spec.num_classes,
         None if norm is None else Normalization.from_dict(norm),
         settings.eval_data_dir,
+        input_dtype=settings.federation.spec.input_dtype,
     )
 
 

@@ -36,6 +36,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     file = read_model_file(args.model)
     spec = file.spec
+    if spec.integer_inputs:
+        raise ValueError(
+            f"{args.model}: the model takes {spec.input_dtype} inputs (token ids, input_dtype), not images: "
+            "fedatoms predict classifies images; load the model file's plain model in Python to run it on ids"
+        )
     if len(spec.input_shape) != 3:
         raise ValueError(f"{args.model}: the model takes inputs {list(spec.input_shape)}, not images (C, H, W)")
     allowed = tuple(a for a in args.allow_model if a != "none") if args.allow_model else DEFAULT_ALLOWED_MODELS

@@ -110,6 +110,11 @@ def _add_simulation_flags(p: argparse.ArgumentParser) -> None:
         f"factorizable weights keep full rank with the stem [{defaults.full_rank_share:g}; 0: the stem alone]",
     )
     g.add_argument("--input-shape", type=_sizes, help="one sample's C,H,W for a reference model [the dataset's]")
+    g.add_argument(
+        "--input-dtype",
+        choices=["float32", "int64", "int32"],
+        help="the dtype the model takes: float32 (images, features) or int64/int32 token ids [float32]",
+    )
     g.add_argument("--factorization", choices=["none", "atoms", "lowrank", "atoms-lowrank"])
     g.add_argument("--num-atoms", type=int, help="atoms per k×k conv [k²: a complete basis; the papers: 9]")
     g.add_argument("--clients", type=int, help=f"number of clients [{defaults.clients}]")

@@ -126,11 +126,12 @@ class Batches:
     def _checked(self, x: Tensor, y: Tensor) -> Tensor:
         """Inputs the model can take and labels it can score, read where they are loaded (the host, no device
         sync): otherwise a conv fails on a dtype and cross-entropy on an index, or on CUDA with a device assert."""
-        if not isinstance(x, Tensor) or not x.is_floating_point():
+        if not isinstance(x, Tensor) or not (x.is_floating_point() or x.dtype in (torch.int64, torch.int32)):
             kind = x.dtype if isinstance(x, Tensor) else type(x).__name__
             raise ValueError(
-                f"dataset inputs are {kind}, not floating-point tensors: return images as float tensors (e.g. "
-                "torchvision's ToTensor scales uint8 to [0, 1]) or as PIL images to have fedatoms convert them"
+                f"dataset inputs are {kind}, not floating-point tensors or integer ids: return images as float "
+                "tensors (e.g. torchvision's ToTensor scales uint8 to [0, 1]) or as PIL images to have fedatoms "
+                'convert them; token ids as int64 tensors, with input_dtype = "int64" for the model'
             )
         if y.dtype.is_floating_point or y.dtype == torch.bool or y.dim() != 1:
             raise ValueError(
