@@ -59,6 +59,7 @@ def test_a_training_label_the_set_num_classes_cannot_score_is_refused_by_name(to
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow  # real CLI processes, tens of seconds: make test-slow
 def test_the_cli_keeps_num_classes_from_the_toml_and_the_flag(tokens: Path) -> None:
     toml = tokens / "sim.toml"
     toml.write_text(

@@ -39,6 +39,7 @@ def test_a_token_id_model_learns_in_process(local: dict) -> None:
     assert rounds[-1]["test_accuracy"] > majority + 0.15, (rounds[-1]["test_accuracy"], majority)
 
 
+@pytest.mark.slow  # real CLI processes, tens of seconds: make test-slow
 def test_over_grpc_the_command_gives_the_in_process_record(local: dict, tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     cmd = [
@@ -56,6 +57,7 @@ def test_over_grpc_the_command_gives_the_in_process_record(local: dict, tmp_path
             assert math.isclose(a[key], b[key], rel_tol=1e-9), (key, a[key], b[key])
 
 
+@pytest.mark.slow  # real CLI processes, tens of seconds: make test-slow
 @pytest.mark.parametrize(
     ("data", "dtype", "said"),
     [
