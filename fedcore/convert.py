@@ -256,18 +256,23 @@ def factorize(
     return model
 
 
-def _refuse_untying(model: nn.Module, replaced: Sequence[str], factorization: Factorization) -> None:
-    """A layer about to get factors of its own must not share a parameter with another path: its new factors
-    would untie it, and the exported plain model would keep one of the diverged copies (the last loaded)."""
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter ``model`` holds at more than one path (tied weights, a reused module)."""
     paths: dict[int, list[str]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
         prefix = f"{module_name}." if module_name else ""
         for pname, p in module.named_parameters(recurse=False):
             paths.setdefault(id(p), []).append(prefix + pname)
+    return [names for names in paths.values() if len(names) > 1]
+
+
+def _refuse_untying(model: nn.Module, replaced: Sequence[str], factorization: Factorization) -> None:
+    """A layer about to get factors of its own must not share a parameter with another path: its new factors
+    would untie it, and the exported plain model would keep one of the diverged copies (the last loaded)."""
     replaced_set = set(replaced)
-    for names in paths.values():
+    for names in tied_parameters(model):
         modules = {n.rpartition(".")[0] for n in names}
-        if len(names) > 1 and modules & replaced_set:
+        if modules & replaced_set:
             layers = ", ".join(sorted(modules))
             whole = (
                 f"keep them whole with full_rank = {sorted(modules)}, or " if factorization.kind == "lowrank" else ""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from functools import cache
 
+from fedcore.convert import tied_parameters
 from fedcore.spec import ModelSpec, _meta_module
 
 __all__ = ["PERSONALIZATIONS", "SPLITS", "personal_tensors"]
@@ -72,12 +73,8 @@ def personal_tensors(spec: ModelSpec, method: str) -> tuple[str, ...]:
 @cache
 def _tied_names(spec: ModelSpec) -> tuple[tuple[str, ...], ...]:
     """The names of each parameter the model holds under more than one name (tied weights, a reused module)."""
-    paths: dict[int, list[str]] = {}
-    for module_name, module in _meta_module(spec).named_modules(remove_duplicate=False):
-        prefix = f"{module_name}." if module_name else ""
-        for pname, p in module.named_parameters(recurse=False):
-            paths.setdefault(id(p), []).append(prefix + pname)
-    return tuple(tuple(dict.fromkeys(names)) for names in paths.values() if len(set(names)) > 1)
+    tied = tied_parameters(_meta_module(spec))
+    return tuple(tuple(dict.fromkeys(names)) for names in tied if len(set(names)) > 1)
 
 
 def _refuse_split_ties(spec: ModelSpec, method: str, personal: tuple[str, ...]) -> None:
